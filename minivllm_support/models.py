@@ -97,6 +97,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores the embedding once
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = "float32"
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))

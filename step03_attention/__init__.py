@@ -1,0 +1,1 @@
+"""Lesson 03: scaled dot-product attention, causal mask, RoPE, grouped-query attention."""
