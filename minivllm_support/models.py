@@ -130,3 +130,10 @@ def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def chat_prompt_ids(tokenizer, user_text: str, system: str | None = None) -> list[int]:
+    """Token ids of a one-turn chat, rendered by the checkpoint's own chat template."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,1 @@
+"""Lesson 05: the naive generation loop (recompute everything, every step)."""
