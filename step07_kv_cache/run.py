@@ -1,0 +1,53 @@
+"""Lesson 07: the same tokens as lesson 05, at a flat cost per token."""
+from __future__ import annotations
+
+from minivllm_support.cli import base_parser, machine, setup
+from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
+from step04_transformer.loader import load_model
+from step05_naive.generate import generate_naive
+from step06_sampler.params import SamplingParams
+from step07_kv_cache.generate import generate_cached
+
+
+def mean_ms(xs: list[float]) -> float:
+    return 1e3 * sum(xs) / max(1, len(xs))
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--tokens", type=int, default=240, help="tokens generated in the timing run")
+    args = p.parse_args()
+    dtype = setup(args)
+    folder = resolve_model(args.model)
+    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
+    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    eos = model.config.eos_token_ids
+
+    ids = chat_prompt_ids(tok, "Give me three tips for learning to play the guitar.")
+    out = generate_cached(model, ids, SamplingParams(temperature=0, max_tokens=64), eos)
+    print(f"A: {tok.decode(out.token_ids, skip_special_tokens=True).strip()}\n")
+
+    ids = chat_prompt_ids(tok, "Tell me a long story about a lighthouse keeper.")
+    n = args.tokens
+    naive = generate_naive(model, ids, n, ignore_eos=True)
+    cached = generate_cached(model, ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    same = naive.token_ids == cached.token_ids
+    print(f"{n} greedy tokens after a {len(ids)}-token prompt; identical to lesson 05: {same}")
+    print(f"  prefill (whole prompt, once): {1e3 * cached.step_seconds[0]:.1f} ms\n")
+    print("  sequence length   naive ms/token   cached ms/token")
+    bucket = max(1, n // 6)
+    for s in range(0, n, bucket):
+        a, b = naive.step_seconds[s:s + bucket], cached.step_seconds[max(1, s):s + bucket]
+        print(f"  {len(ids) + s:>6}-{len(ids) + s + len(a) - 1:<6}     {mean_ms(a):10.1f}       {mean_ms(b):10.1f}")
+    t_naive, t_cached = sum(naive.step_seconds), sum(cached.step_seconds)
+    print(f"\n  total: naive {t_naive:.2f} s, cached {t_cached:.2f} s -> {t_naive / t_cached:.1f}x faster")
+    kv = model.config.kv_bytes_per_token * model.model.embed_tokens.weight.element_size() // 2
+    print(f"  price: {kv / 1024:.1f} KiB of KV cache per token ({model.config.num_layers} layers x "
+          f"{model.config.num_kv_heads} kv heads x {model.config.head_dim} dims x K,V), "
+          f"{kv * (len(ids) + n) / 2**20:.1f} MiB for this request")
+    if not same:
+        raise SystemExit("outputs differ from lesson 05")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Lesson 08: static batching: one padded batch, left padding, an attention mask."""
