@@ -1,0 +1,1 @@
+"""Lesson 11: preemption: a KV budget, and recompute when it runs out."""
