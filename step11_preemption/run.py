@@ -1,0 +1,58 @@
+"""Lesson 11: a workload bigger than the KV budget finishes anyway, by preempting and recomputing."""
+from __future__ import annotations
+
+import time
+
+from minivllm_support.cli import base_parser, machine, setup
+from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
+from step04_transformer.loader import load_model
+from step06_sampler.params import SamplingParams
+from step09_continuous_batching.scheduler import SchedulerConfig
+from step10_chunked_prefill.engine import ChunkedPrefillEngine
+from step11_preemption.engine import PreemptingEngine
+from step11_preemption.scheduler import PreemptionSchedulerConfig
+
+QUESTIONS = ["Write a poem about autumn.", "Describe a busy market.", "Tell a story about a fox.",
+             "Explain how bread is made.", "What makes a good friend?", "Describe the ocean at night.",
+             "How do birds fly?", "Write a letter to a future self."]
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--max-kv-tokens", type=int, default=400)
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args()
+    dtype = setup(args)
+    folder = resolve_model(args.model)
+    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
+    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    prompts = [chat_prompt_ids(tok, q) for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    peak = sum(len(p) + args.max_tokens - 1 for p in prompts)
+    print(f"{len(prompts)} requests would hold {peak} tokens of KV at once; the budget is "
+          f"{args.max_kv_tokens} tokens ({args.max_kv_tokens * model.config.kv_bytes_per_token / 2**20:.1f} MiB in bf16)\n")
+
+    t0 = time.perf_counter()
+    free = ChunkedPrefillEngine(model, SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256))
+    ref = free.generate(prompts, params)
+    t_free = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tight = PreemptingEngine(model, PreemptionSchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256,
+                                                              max_kv_tokens=args.max_kv_tokens))
+    out = tight.generate(prompts, params)
+    t_tight = time.perf_counter() - t0
+
+    same = sum(a.output_token_ids == b.output_token_ids for a, b in zip(ref, out))
+    print(f"unconstrained: {t_free:.2f} s, {free.num_steps} steps")
+    print(f"budget {args.max_kv_tokens}:    {t_tight:.2f} s, {tight.num_steps} steps, "
+          f"{tight.scheduler.num_preemptions} preemptions "
+          f"(per request: {[s.num_preemptions for s in out]})")
+    print(f"identical outputs: {same}/{len(out)}")
+    try:
+        tight.add_request(prompts[0], SamplingParams(max_tokens=args.max_kv_tokens))
+    except ValueError as e:
+        print(f"\nan impossible request is refused at once:\n  ValueError: {e}")
+
+
+if __name__ == "__main__":
+    main()
