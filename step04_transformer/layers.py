@@ -45,6 +45,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"negative position {int(positions.min())}")
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} exceeds the model's "
                              f"max_position_embeddings ({self.cos.shape[0]})")

@@ -26,13 +26,15 @@ def load_weights(model: torch.nn.Module, folder: str | Path, dtype: torch.dtype)
     params = dict(model.named_parameters())
     tied = getattr(model, "lm_head", 0) is None
     filled: set[str] = set()
+    stored_head = None
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES):
                     continue
                 if tied and name == "lm_head.weight":
-                    continue  # a tied checkpoint may still store the head; it equals the embedding
+                    stored_head = f.get_tensor(name)  # a tied checkpoint may still store it: check below
+                    continue
                 if name not in params:
                     raise KeyError(f"checkpoint tensor {name!r} ({file.name}) matches no model parameter")
                 if name in filled:
@@ -45,6 +47,9 @@ def load_weights(model: torch.nn.Module, folder: str | Path, dtype: torch.dtype)
                 with torch.no_grad():
                     param.copy_(tensor.to(dtype))
                 filled.add(name)
+    if stored_head is not None and not torch.equal(stored_head.to(dtype), params["model.embed_tokens.weight"]):
+        raise ValueError("config says tie_word_embeddings but the checkpoint's lm_head.weight differs "
+                         "from model.embed_tokens.weight")
     missing = sorted(set(params) - filled)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

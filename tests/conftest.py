@@ -56,3 +56,30 @@ PROMPTS = [
 def smol_prompts(smol_tokenizer):
     from minivllm_support.models import chat_prompt_ids
     return [chat_prompt_ids(smol_tokenizer, p) for p in PROMPTS]
+
+
+# The engine workload: prompts of different lengths, different max_tokens, and requests that
+# stop at EOS at different steps (3, 8, 10 and 12 tokens with the embedded model).
+ENGINE_QUESTIONS = [
+    ("Reply with one word: yes or no?", 12),
+    ("What is the capital of France?", 20),
+    ("Hi", 16),
+    ("What colour is the sky?", 18),
+    ("What is 2+2?", 24),
+    ("Explain in one sentence why the sky is blue, and then say goodbye politely.", 10),
+]
+
+
+@pytest.fixture(scope="session")
+def engine_workload(smol_fp32, smol_tokenizer):
+    """(prompts, greedy SamplingParams, lesson 05's tokens for each) on the embedded model, fp32."""
+    from minivllm_support.models import chat_prompt_ids
+    from step05_naive.generate import generate_naive
+    from step06_sampler.params import SamplingParams
+
+    prompts = [chat_prompt_ids(smol_tokenizer, q) for q, _ in ENGINE_QUESTIONS]
+    params = [SamplingParams(temperature=0, max_tokens=n) for _, n in ENGINE_QUESTIONS]
+    eos = smol_fp32.config.eos_token_ids
+    ref = [generate_naive(smol_fp32, p, sp.max_tokens, eos) for p, sp in zip(prompts, params)]
+    assert sum(r.finished_by_eos for r in ref) >= 3, "workload should include EOS stops"
+    return prompts, params, [r.token_ids for r in ref]
