@@ -40,12 +40,12 @@ class LLMEngine:
     def __init__(self, model: CausalLM, scheduler: Scheduler | SchedulerConfig | None = None,
                  eos_ids: Seq[int] | None = None, sampler: Sampler | None = None):
         self.model = model
+        self.dtype = model.model.embed_tokens.weight.dtype
         if not isinstance(scheduler, Scheduler):
             scheduler = self.make_scheduler(scheduler or SchedulerConfig())
         self.scheduler = scheduler
         self.eos_ids = list(model.config.eos_token_ids if eos_ids is None else eos_ids)
         self.sampler = sampler or Sampler()
-        self.dtype = model.model.embed_tokens.weight.dtype
         self.num_steps = 0
 
     def make_scheduler(self, config: SchedulerConfig) -> Scheduler:

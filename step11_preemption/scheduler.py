@@ -41,8 +41,20 @@ class PreemptingScheduler(ChunkedPrefillScheduler):
                              f"max_tokens {seq.params.max_tokens} - 1) but max_kv_tokens is "
                              f"{self.config.max_kv_tokens}: it could never finish")
 
-    def kv_used(self) -> int:
-        return sum(s.num_computed_tokens for s in self.running)
+    # ---- KV accounting: tokens here; lesson 12 overrides these four with real blocks --------
+    def begin_step(self) -> None:
+        self._free = self.config.max_kv_tokens - sum(s.num_computed_tokens for s in self.running)
+
+    def room(self, seq: Sequence) -> int:
+        """New tokens `seq` could add to the KV cache right now."""
+        return self._free
+
+    def reserve(self, seq: Sequence, n: int) -> None:
+        self._free -= n
+
+    def release(self, seq: Sequence, scheduled: int) -> None:
+        """Give back what a preempted sequence held plus what it was granted this step."""
+        self._free += seq.num_computed_tokens + scheduled
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -53,41 +65,49 @@ class PreemptingScheduler(ChunkedPrefillScheduler):
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
-        free = self.config.max_kv_tokens - self.kv_used()
         batch = ScheduledBatch()
         preempted = False
+        self.begin_step()
 
         def evict(victim: Sequence) -> None:
-            nonlocal budget, free, preempted
+            nonlocal budget, preempted
+            scheduled = 0
             if victim in batch.seqs:       # scheduled earlier this step: hand its share back
                 i = batch.seqs.index(victim)
-                n = batch.num_tokens.pop(i)
+                scheduled = batch.num_tokens.pop(i)
                 batch.seqs.pop(i)
-                budget, free = budget + n, free + n
-            free += victim.num_computed_tokens
+                budget += scheduled
+            self.release(victim, scheduled)
             self.preempt(victim)
             preempted = True
+
+        def grant(seq: Sequence) -> None:
+            nonlocal budget
+            n = min(seq.num_uncomputed_tokens, budget, self.room(seq))
+            if n < 1:
+                return
+            self.reserve(seq, n)
+            batch.add(seq, n)
+            budget -= n
 
         # Decodes first, then prompt chunks of running sequences, oldest first; each needs KV room.
         for decoding in (True, False):
             for seq in list(self.running):
                 if seq not in self.running or (seq.num_uncomputed_tokens == 1) != decoding or not budget:
                     continue
-                while free < 1 and self.running[-1] is not seq:
+                while self.room(seq) < 1 and self.running[-1] is not seq:
                     evict(self.running[-1])
-                if free < 1:               # it is the newest one itself: it yields
+                if self.room(seq) < 1:     # it is the newest one itself: it yields
                     evict(seq)
                     continue
-                n = min(seq.num_uncomputed_tokens, budget, free)
-                batch.add(seq, n)
-                budget, free = budget - n, free - n
+                grant(seq)
         # New requests only when nobody had to yield this step (otherwise we would thrash).
-        while (not preempted and budget and free > 0 and self.waiting
+        while (not preempted and budget and self.waiting and self.room(self.waiting[0]) > 0
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget, free)
-            batch.add(seq, n)
-            budget, free = budget - n, free - n
+            self.admit(self.waiting.popleft())
+            grant(self.running[-1])
         return batch
+
+    def admit(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
