@@ -55,6 +55,8 @@ def test_finish_reason():
     q = SamplingParams(ignore_eos=True, stop_token_ids=[7])
     assert q.finish_reason(2, 1, eos_token_id=2) is None
     assert q.finish_reason(7, 1, eos_token_id=2) == "stop"
+    assert p.finish_reason(9, 1, eos_token_id=[2, 9]) == "stop"        # several EOS ids
+    assert p.finish_reason(9, 1, eos_token_id=None) is None
 
 
 # ----------------------------------------------------------------------------- the statistics
