@@ -11,8 +11,8 @@ import numbers
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-# Temperatures below this are treated as 0, i.e. greedy. Dividing logits by a temperature
-# this small would overflow float32; vLLM uses the same cut-off.
+# Temperatures below this are treated as 0, i.e. greedy: T = 0 would divide by zero, and
+# below it softmax(logits / T) is one-hot at the argmax anyway. vLLM uses the same cut-off.
 SAMPLING_EPS = 1e-5
 
 

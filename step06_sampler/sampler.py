@@ -27,8 +27,8 @@ NEG_INF = float("-inf")
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
     """Divide each row by its temperature: T < 1 sharpens, T > 1 flattens.
 
-    Rows with T < SAMPLING_EPS are greedy; they are divided by 1 (left as they are), because
-    dividing by ~0 would overflow and greedy rows take the argmax anyway.
+    Rows with T < SAMPLING_EPS are greedy; they are divided by 1 (left as they are): T = 0
+    would divide by zero, and greedy rows take the argmax of the raw logits anyway.
     """
     t = temperature.to(device=logits.device, dtype=torch.float32)
     t = torch.where(t < SAMPLING_EPS, torch.ones_like(t), t)
