@@ -14,15 +14,6 @@ from step06_sampler.sampler import Sampler, make_generator
 from step07_kv_cache.kv_cache import CachedAttention, KVCache
 
 
-def stop_reason(params: SamplingParams, token: int, num_generated: int, eos_ids: Sequence[int]) -> str | None:
-    """'length', 'stop' or None. A model may have several EOS ids (e.g. <|im_end|> and <|endoftext|>)."""
-    if num_generated >= params.max_tokens:
-        return "length"
-    if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-        return "stop"
-    return None
-
-
 @dataclass
 class CachedOutput:
     token_ids: list[int]
@@ -53,7 +44,7 @@ def generate_cached(model: CausalLM, prompt_ids: Sequence[int], params: Sampling
         token = int(sampler(model.compute_logits(hidden[-1:]), [params], [generator])[0])
         out.step_seconds.append(time.perf_counter() - t0)
         out.token_ids.append(token)
-        reason = stop_reason(params, token, len(out.token_ids), eos_ids)
+        reason = params.finish_reason(token, len(out.token_ids), eos_ids)
         if reason:
             out.finish_reason = reason
             return out

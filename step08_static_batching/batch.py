@@ -23,7 +23,7 @@ from step04_transformer.model import CausalLM
 from step05_naive.generate import check_prompt
 from step06_sampler.params import SamplingParams
 from step06_sampler.sampler import Sampler, make_generator
-from step07_kv_cache.generate import CachedOutput, stop_reason
+from step07_kv_cache.generate import CachedOutput
 
 
 class PaddedKVCache:
@@ -111,7 +111,7 @@ def generate_static(model: CausalLM, prompts: Sequence[Sequence[int]],
                 continue
             tok = int(nxt[b])
             outs[b].token_ids.append(tok)
-            reason = stop_reason(plist[b], tok, len(outs[b].token_ids), eos_ids)
+            reason = plist[b].finish_reason(tok, len(outs[b].token_ids), eos_ids)
             if reason:
                 done[b], outs[b].finish_reason = True, reason
         stats.step_seconds.append(time.perf_counter() - t0)

@@ -16,7 +16,6 @@ from step04_transformer.model import CausalLM
 from step05_naive.generate import check_prompt
 from step06_sampler.params import SamplingParams
 from step06_sampler.sampler import Sampler
-from step07_kv_cache.generate import stop_reason
 from step07_kv_cache.kv_cache import KVCache, cached_attention
 from step09_continuous_batching.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from step09_continuous_batching.sequence import Sequence
@@ -100,7 +99,7 @@ class LLMEngine:
         for seq, tok in zip(sampled, tokens):
             seq.token_ids.append(tok)
             seq.token_times.append(now)
-            reason = stop_reason(seq.params, tok, len(seq.output_token_ids), self.eos_ids)
+            reason = seq.params.finish_reason(tok, len(seq.output_token_ids), self.eos_ids)
             if reason:
                 self.scheduler.finish(seq, reason)
         self.num_steps += 1

@@ -1,7 +1,7 @@
 import torch
 
 from step06_sampler.params import SamplingParams
-from step07_kv_cache.generate import generate_cached, stop_reason
+from step07_kv_cache.generate import generate_cached
 from step07_kv_cache.kv_cache import KVCache
 
 
@@ -21,15 +21,6 @@ def test_cache_grows_and_keeps_contents(tiny_qwen3_dir):
     cache.reserve(5)
     assert cache.capacity >= 5
     torch.testing.assert_close(cache.keys_values(0, 2)[0], k)
-
-
-def test_stop_reasons():
-    p = SamplingParams(max_tokens=3, stop_token_ids=[7])
-    assert stop_reason(p, 5, 1, [2]) is None
-    assert stop_reason(p, 2, 1, [2, 9]) == "stop" and stop_reason(p, 9, 1, [2, 9]) == "stop"
-    assert stop_reason(p, 7, 1, [2]) == "stop"
-    assert stop_reason(p, 5, 3, [2]) == "length"
-    assert stop_reason(SamplingParams(ignore_eos=True), 2, 1, [2]) is None
 
 
 def test_seeded_sampling_is_reproducible(smol_fp32, engine_workload):
