@@ -1,0 +1,25 @@
+"""The engine with a paged KV cache: one pool, block tables, a slot mapping."""
+from __future__ import annotations
+
+from step09_continuous_batching.engine import LLMEngine
+from step09_continuous_batching.scheduler import ScheduledBatch
+from step12_paged_attention.block_manager import BlockManager
+from step12_paged_attention.kv_pool import KVPool, PagedAttention
+from step12_paged_attention.scheduler import PagedScheduler, PagedSchedulerConfig
+
+
+class PagedEngine(LLMEngine):
+    def make_scheduler(self, config) -> PagedScheduler:
+        if not isinstance(config, PagedSchedulerConfig):
+            raise TypeError("PagedEngine needs a PagedSchedulerConfig (block_size, kv_cache_bytes)")
+        self.kv_pool = KVPool.from_memory_budget(self.model.config, config.kv_cache_bytes,
+                                                 config.block_size, self.dtype)
+        return self.scheduler_class(config, BlockManager(self.kv_pool.num_blocks, config.block_size))
+
+    scheduler_class = PagedScheduler
+
+    def prepare_kv(self, batch: ScheduledBatch) -> None:
+        pass  # the scheduler already allocated every block this step writes to
+
+    def make_backend(self, batch: ScheduledBatch) -> PagedAttention:
+        return PagedAttention(self.kv_pool, batch)
