@@ -95,6 +95,7 @@ class LLMEngine:
             tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled]).tolist()
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
+        self.scheduler.after_step(batch)
         now = time.perf_counter()
         for seq, tok in zip(sampled, tokens):
             seq.token_ids.append(tok)

@@ -79,6 +79,9 @@ class Scheduler:
             batch.add(seq, 1)
         return batch
 
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Called once the batch's K/V are computed (lesson 13 caches full blocks here)."""
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         seq.kv = None                         # its KV memory is free the moment it ends
