@@ -1,0 +1,97 @@
+"""Attention for the whole batch at once, reading K/V straight from the paged pool.
+
+Lesson 12 looped over sequences in Python (one small attention per sequence, per layer). Here
+every step builds a little metadata once, then each layer does:
+
+    1. one scatter   pool[slot_mapping] = k, v               (all new tokens of all sequences)
+    2. one gather    blocks = pool[block_tables]              [B, max_blocks * block_size, Hkv, D]
+    3. one attention  decodes: [B, Hkv, group, D] x blocks    (no mask: only key padding)
+                      prefill chunks: padded [B', Qmax] queries with a causal + length mask
+
+Decodes fold each KV head's `group` query heads into the query dimension, so GQA needs no
+repeated K/V. Prefill chunks and decodes are two calls because padding a one-token decode to
+the length of a 500-token chunk would waste 500x the work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from step09_continuous_batching.scheduler import ScheduledBatch
+from step12_paged_attention.kv_pool import KVPool
+
+
+@dataclass
+class Group:
+    """Sequences that share one attention call: their rows in the flat batch and their tables."""
+    rows: Tensor          # [B, Qmax] index of each query token in the flat batch (pads -> 0)
+    valid: Tensor         # [B, Qmax] bool, real query tokens
+    block_tables: Tensor  # [B, max_blocks] (pads -> block 0, masked out)
+    mask: Tensor | None   # [B, 1, Qmax, L] bool: may attend (None for decodes: length mask only)
+
+
+def _build_group(seqs, ns, offsets, block_size: int) -> Group:
+    B = len(seqs)
+    qmax = max(ns)
+    max_blocks = max(len(s.kv) for s in seqs)
+    L = max_blocks * block_size
+    rows = torch.zeros(B, qmax, dtype=torch.long)
+    valid = torch.zeros(B, qmax, dtype=torch.bool)
+    tables = torch.zeros(B, max_blocks, dtype=torch.long)
+    starts = torch.tensor([s.num_computed_tokens for s in seqs])
+    for i, (s, n, off) in enumerate(zip(seqs, ns, offsets)):
+        rows[i, :n] = torch.arange(off, off + n)
+        valid[i, :n] = True
+        tables[i, :len(s.kv)] = torch.tensor(s.kv)
+    key_pos = torch.arange(L)
+    q_pos = starts[:, None] + torch.arange(qmax)[None, :]                       # [B, Qmax]
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]                          # causal, and
+    mask = mask & (key_pos[None, None, :] < (starts + torch.tensor(ns))[:, None, None])  # within length
+    return Group(rows, valid, tables, mask[:, None])
+
+
+class VarlenPagedAttention:
+    """Backend: the whole batch per layer in three tensor ops (scatter, gather, attend)."""
+
+    def __init__(self, pool: KVPool, batch: ScheduledBatch):
+        self.pool = pool
+        bs = pool.block_size
+        slots, offsets, off = [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            table, start = seq.kv, seq.num_computed_tokens
+            pos = torch.arange(start, start + n)
+            slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
+            offsets.append(off)
+            off += n
+        self.num_tokens = off
+        self.slot_mapping = torch.cat(slots)
+        dec = [i for i, n in enumerate(batch.num_tokens) if n == 1]
+        pre = [i for i, n in enumerate(batch.num_tokens) if n > 1]
+        self.groups = [
+            (_build_group([batch.seqs[i] for i in idx], [batch.num_tokens[i] for i in idx],
+                          [offsets[i] for i in idx], bs), idx is dec)
+            for idx in (dec, pre) if idx
+        ]
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.pool.write(layer_idx, self.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        T, Hq, D = q.shape
+        for g, decode in self.groups:
+            B, qmax = g.rows.shape
+            kb = self.pool.k[layer_idx].index_select(0, g.block_tables.flatten())   # [B*nb, bs, Hkv, D]
+            vb = self.pool.v[layer_idx].index_select(0, g.block_tables.flatten())
+            Hkv = kb.shape[2]
+            group = Hq // Hkv
+            keys = kb.view(B, -1, Hkv, D).transpose(1, 2)                           # [B, Hkv, L, D]
+            values = vb.view(B, -1, Hkv, D).transpose(1, 2)
+            qg = q[g.rows.flatten()].view(B, qmax, Hkv, group, D)
+            qg = qg.permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * qmax, D)         # fold GQA
+            mask = g.mask.repeat(1, 1, group, 1) if qmax > 1 else g.mask             # rows: (group, qmax)
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+            o = o.view(B, Hkv, group, qmax, D).permute(0, 3, 1, 2, 4).reshape(B, qmax, Hq, D)
+            out[g.rows[g.valid]] = o[g.valid]
+        return out

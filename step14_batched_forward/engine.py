@@ -1,0 +1,46 @@
+"""Lesson 13's engine with the batched varlen attention backend, and the counters a server needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from step09_continuous_batching.scheduler import ScheduledBatch
+from step13_prefix_cache.engine import PrefixCachingEngine
+from step14_batched_forward.attention import VarlenPagedAttention
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of what lesson 20 will serve as Prometheus metrics."""
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int     # prompt tokens looked up
+    prefix_cache_hits: int        # of which found in the cache
+    num_preemptions: int
+    prompt_tokens: int            # prompt tokens computed (prefix hits excluded)
+    generation_tokens: int
+
+
+class BatchedEngine(PrefixCachingEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prompt_tokens = self.generation_tokens = 0
+
+    def make_backend(self, batch: ScheduledBatch) -> VarlenPagedAttention:
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        return VarlenPagedAttention(self.kv_pool, batch)
+
+    def step(self):
+        sampled = super().step()
+        self.generation_tokens += len(sampled)
+        return sampled
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        bm = s.block_manager
+        return EngineStats(len(s.running), len(s.waiting), s.num_used_blocks, bm.num_blocks,
+                           bm.query_tokens, bm.hit_tokens, s.num_preemptions,
+                           self.prompt_tokens, self.generation_tokens)
