@@ -42,3 +42,13 @@ def machine() -> str:
     day = datetime.date.today().isoformat()
     return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
             f"torch {torch.__version__}, {day}")
+
+
+def identity_line(what: str, same: int, total: int, dtype: torch.dtype) -> str:
+    """'identical outputs' as measured, with the reason when bf16 makes some of them differ."""
+    line = f"identical {what}: {same}/{total}"
+    if same < total and dtype != torch.float32:
+        line += ("\n  (bf16: a matmul over a different batch shape rounds differently, and greedy decoding "
+                 "follows the first near-tie that flips; run with --dtype fp32 for the exact comparison "
+                 "the tests make)")
+    return line

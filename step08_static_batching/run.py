@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from minivllm_support.cli import base_parser, machine, setup
+from minivllm_support.cli import base_parser, identity_line, machine, setup
 from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
@@ -47,10 +47,11 @@ def main() -> None:
     same = sum(a.token_ids == b.token_ids for a, b in zip(singles, batch))
     print(f"\n{len(prompts)} requests, prompts {min(lens)}-{max(lens)} tokens, "
           f"outputs {min(len(o.token_ids) for o in batch)}-{max(len(o.token_ids) for o in batch)} tokens")
-    print(f"identical to one-at-a-time (lesson 07): {same}/{len(prompts)} requests")
+    print(identity_line("to one-at-a-time (lesson 07)", same, len(prompts), dtype))
     print(f"token slots computed: {stats.slots}, useful: {stats.useful} -> "
           f"{100 * stats.wasted_share:.1f}% wasted on padding and finished rows")
-    print(f"one at a time: {t_single:.2f} s ({n_tokens / t_single:.1f} tok/s)")
+    n_single = sum(len(o.token_ids) for o in singles)
+    print(f"one at a time: {t_single:.2f} s ({n_single / t_single:.1f} tok/s)")
     print(f"static batch:  {t_batch:.2f} s ({n_tokens / t_batch:.1f} tok/s) -> {t_single / t_batch:.2f}x")
     print(f"decode steps: {len(stats.step_seconds) - 1}, set by the longest request; "
           f"the shortest needed {min(len(o.token_ids) for o in batch) - 1}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 import time
 
-from minivllm_support.cli import base_parser, machine, setup
+from minivllm_support.cli import base_parser, identity_line, machine, setup
 from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
@@ -63,7 +63,8 @@ def main() -> None:
           f"{100 * wasted / slots:.0f}% of token slots wasted")
     print(f"continuous (max_num_seqs={args.batch}): {t_cont:6.2f} s, {n_out / t_cont:6.1f} tok/s, "
           f"{engine.num_steps} engine steps")
-    print(f"speed-up: {t_static / t_cont:.2f}x; identical outputs: {same}/{len(seqs)}")
+    print(f"speed-up: {t_static / t_cont:.2f}x")
+    print(identity_line("outputs", same, len(seqs), dtype))
     print(f"\nsample: {tok.decode(seqs[1].output_token_ids, skip_special_tokens=True)!r}")
 
 

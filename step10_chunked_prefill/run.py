@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 
-from minivllm_support.cli import base_parser, machine, setup
+from minivllm_support.cli import base_parser, identity_line, machine, setup
 from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
@@ -62,7 +62,7 @@ def main() -> None:
               f"p99 {p99(gaps):7.1f} ms, worst {max(gaps):7.1f} ms")
         print(f"  long prompt: time to first token {ttft:7.1f} ms, engine steps {engine.num_steps}")
     a, b = results.values()
-    print(f"\nidentical outputs with and without chunking: {a == b}")
+    print("\n" + identity_line("outputs with and without chunking", sum(x == y for x, y in zip(a, b)), len(a), dtype))
 
 
 if __name__ == "__main__":

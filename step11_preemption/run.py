@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from minivllm_support.cli import base_parser, machine, setup
+from minivllm_support.cli import base_parser, identity_line, machine, setup
 from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
@@ -47,7 +47,7 @@ def main() -> None:
     print(f"budget {args.max_kv_tokens}:    {t_tight:.2f} s, {tight.num_steps} steps, "
           f"{tight.scheduler.num_preemptions} preemptions "
           f"(per request: {[s.num_preemptions for s in out]})")
-    print(f"identical outputs: {same}/{len(out)}")
+    print(identity_line("outputs", same, len(out), dtype))
     try:
         tight.add_request(prompts[0], SamplingParams(max_tokens=args.max_kv_tokens))
     except ValueError as e:
