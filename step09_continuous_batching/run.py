@@ -65,7 +65,10 @@ def main() -> None:
           f"{engine.num_steps} engine steps")
     print(f"speed-up: {t_static / t_cont:.2f}x")
     print(identity_line("outputs", same, len(seqs), dtype))
-    print(f"\nsample: {tok.decode(seqs[1].output_token_ids, skip_special_tokens=True)!r}")
+    out = seqs[1].output_token_ids
+    eos = [i for i, t in enumerate(out) if t in model.config.eos_token_ids]
+    print(f"\nsample (up to its first EOS; ignore_eos kept it going after): "
+          f"{tok.decode(out[: eos[0] if eos else len(out)], skip_special_tokens=True)!r}")
 
 
 if __name__ == "__main__":
