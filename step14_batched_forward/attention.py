@@ -53,11 +53,31 @@ def _build_group(seqs, ns, offsets, block_size: int) -> Group:
     return Group(rows, valid, tables, mask[:, None])
 
 
+class Workspace:
+    """Gather buffers kept across steps and layers.
+
+    A fresh 100 MB tensor per layer is mostly page faults here (glibc hands big blocks back to
+    the OS and the kernel zero-fills them again on first touch); writing into buffers that are
+    already mapped costs only the copy.
+    """
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def get(self, pool: KVPool, num_blocks: int) -> tuple[Tensor, Tensor]:
+        if self.k is None or self.k.shape[0] < num_blocks:
+            shape = (max(num_blocks, 2 * (0 if self.k is None else self.k.shape[0])),) + tuple(pool.k[0].shape[1:])
+            self.k = torch.empty(shape, dtype=pool.k[0].dtype)
+            self.v = torch.empty(shape, dtype=pool.k[0].dtype)
+        return self.k[:num_blocks], self.v[:num_blocks]
+
+
 class VarlenPagedAttention:
     """Backend: the whole batch per layer in three tensor ops (scatter, gather, attend)."""
 
-    def __init__(self, pool: KVPool, batch: ScheduledBatch):
+    def __init__(self, pool: KVPool, batch: ScheduledBatch, workspace: Workspace | None = None):
         self.pool = pool
+        self.workspace = workspace or Workspace()
         bs = pool.block_size
         slots, offsets, off = [], [], 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -82,8 +102,10 @@ class VarlenPagedAttention:
         T, Hq, D = q.shape
         for g, decode in self.groups:
             B, qmax = g.rows.shape
-            kb = self.pool.k[layer_idx].index_select(0, g.block_tables.flatten())   # [B*nb, bs, Hkv, D]
-            vb = self.pool.v[layer_idx].index_select(0, g.block_tables.flatten())
+            table = g.block_tables.flatten()
+            kb, vb = self.workspace.get(self.pool, table.numel())                   # [B*nb, bs, Hkv, D]
+            torch.index_select(self.pool.k[layer_idx], 0, table, out=kb)
+            torch.index_select(self.pool.v[layer_idx], 0, table, out=vb)
             Hkv = kb.shape[2]
             group = Hq // Hkv
             keys = kb.view(B, -1, Hkv, D).transpose(1, 2)                           # [B, Hkv, L, D]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step13_prefix_cache.engine import PrefixCachingEngine
-from step14_batched_forward.attention import VarlenPagedAttention
+from step14_batched_forward.attention import VarlenPagedAttention, Workspace
 
 
 @dataclass
@@ -26,12 +26,13 @@ class BatchedEngine(PrefixCachingEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.prompt_tokens = self.generation_tokens = 0
+        self.workspace = Workspace()
 
     def make_backend(self, batch: ScheduledBatch) -> VarlenPagedAttention:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-        return VarlenPagedAttention(self.kv_pool, batch)
+        return VarlenPagedAttention(self.kv_pool, batch, self.workspace)
 
     def step(self):
         sampled = super().step()

@@ -1,0 +1,112 @@
+"""Throughput on the Qwen3-0.6B shape: lesson 14's engine vs Hugging Face `generate`, one run.
+
+Random weights (no checkpoint is needed to measure speed): 28 layers, hidden 1024, 16 heads,
+8 KV heads, head_dim 128, vocab 151936, tied embeddings, bf16. The workload: prompts of 64-512
+random token ids and 64-256 output tokens with ignore_eos, from a fixed seed.
+
+    python step14_batched_forward/bench.py --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from minivllm_support.cli import machine
+from minivllm_support.models import cache_dir
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step14_batched_forward.engine import BatchedEngine
+
+QWEN3_06B_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+
+
+def random_qwen3_06b() -> Path:
+    """A random-weight checkpoint of the Qwen3-0.6B shape, written once into our cache (bf16)."""
+    path = cache_dir() / "qwen3-0.6b-shape-random"
+    if not (path / "config.json").is_file():
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        print(f"[bench] writing a random Qwen3-0.6B-shaped checkpoint to {path} (once)")
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B_SHAPE)).to(torch.bfloat16).save_pretrained(str(path))
+    return path
+
+
+def workload(n: int, seed: int, vocab: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(rng.randint(64, 512))] for _ in range(n)]
+    outs = [rng.randint(64, 256) for _ in range(n)]
+    return prompts, outs
+
+
+def run_engine(model, prompts, outs, max_num_seqs: int, budget: int, kv_bytes: int) -> tuple[float, BatchedEngine]:
+    engine = BatchedEngine(model, PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                                      kv_cache_bytes=kv_bytes))
+    t0 = time.perf_counter()
+    engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs])
+    return time.perf_counter() - t0, engine
+
+
+def run_hf(hf, prompts, outs, batch: int) -> float:
+    """Left-padded batches in arrival order; a batch runs until its longest request is done."""
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        ps, ms = prompts[i:i + batch], outs[i:i + batch]
+        L = max(map(len, ps))
+        ids = torch.tensor([[0] * (L - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps])
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ms), min_new_tokens=max(ms),
+                    do_sample=False, pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--hf-requests", type=int, default=16, help="requests given to HF generate (a prefix of the same list)")
+    p.add_argument("--hf-batch", type=int, nargs="+", default=[16])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    p.add_argument("--kv-gib", type=float, default=6.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    print(f"machine: {machine()}")
+    path = random_qwen3_06b()
+    from step04_transformer.loader import load_model
+    model = load_model(path, torch.bfloat16)
+    prompts, outs = workload(args.requests, args.seed, QWEN3_06B_SHAPE["vocab_size"])
+    print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens (sum {sum(map(len, prompts))}), outputs {min(outs)}-{max(outs)} (sum {sum(outs)}), ignore_eos\n")
+
+    secs, engine = run_engine(model, prompts, outs, args.max_num_seqs, args.budget, int(args.kv_gib * 2**30))
+    ours = sum(outs) / secs
+    print(f"lesson 14 engine: {secs:7.1f} s, {ours:6.1f} output tok/s  ({engine.num_steps} steps, "
+          f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.budget}, "
+          f"preemptions={engine.scheduler.num_preemptions})")
+    if args.skip_hf:
+        return
+    del engine
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    n = min(args.hf_requests, len(prompts))
+    best = 0.0
+    for b in args.hf_batch:
+        secs = run_hf(hf, prompts[:n], outs[:n], b)
+        tps = sum(outs[:n]) / secs
+        best = max(best, tps)
+        print(f"HF generate, batch {b:3d}, first {n} requests: {secs:7.1f} s, {tps:6.1f} output tok/s")
+    print(f"\nlesson 14 / best HF: {ours / best:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
