@@ -1,0 +1,55 @@
+"""Lesson 14: one batched forward (no per-sequence loop) vs lesson 13's engine, same workload."""
+from __future__ import annotations
+
+import random
+import time
+
+from minivllm_support.cli import base_parser, identity_line, machine, setup
+from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
+from step04_transformer.loader import load_model
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step13_prefix_cache.engine import PrefixCachingEngine
+from step14_batched_forward.engine import BatchedEngine
+
+TOPICS = ["the sea", "a cat", "Paris", "the moon", "coffee", "a robot", "winter", "music",
+          "a library", "the desert", "trains", "a garden", "chess", "rain", "a violin", "bread"]
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    args = p.parse_args()
+    dtype = setup(args)
+    folder = resolve_model(args.model)
+    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
+    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    rng = random.Random(0)
+    prompts = [chat_prompt_ids(tok, rng.choice(["Write a short poem about {}.", "Describe {} in detail.",
+                                                "Explain {} to a child."]).format(TOPICS[i % len(TOPICS)]))
+               for i in range(args.requests)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.choice([32, 48, 64, 96]), ignore_eos=True)
+              for _ in prompts]
+    n_out = sum(sp.max_tokens for sp in params)
+    config = PagedSchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
+                                  kv_cache_bytes=512 * 2**20)
+    print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {n_out} output tokens "
+          f"(ignore_eos), max_num_seqs={args.max_num_seqs}\n")
+    results = {}
+    for name, cls in [("lesson 13 (attention loops over sequences)", PrefixCachingEngine),
+                      ("lesson 14 (one varlen attention per layer)", BatchedEngine)]:
+        engine = cls(model, config)
+        t0 = time.perf_counter()
+        seqs = engine.generate(prompts, params)
+        secs = time.perf_counter() - t0
+        results[name] = (secs, [s.output_token_ids for s in seqs])
+        print(f"{name}: {secs:6.2f} s, {n_out / secs:6.1f} output tok/s, {engine.num_steps} steps")
+    (t13, a), (t14, b) = results.values()
+    print(f"\nspeed-up: {t13 / t14:.2f}x")
+    print(identity_line("outputs", sum(x == y for x, y in zip(a, b)), len(a), dtype))
+    print(f"\nengine counters after the run: {engine.stats()}")
+
+
+if __name__ == "__main__":
+    main()
