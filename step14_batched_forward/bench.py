@@ -9,6 +9,7 @@ random token ids and 64-256 output tokens with ignore_eos, from a fixed seed.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from pathlib import Path
@@ -80,7 +81,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
     path = random_qwen3_06b()
     from step04_transformer.loader import load_model
     model = load_model(path, torch.bfloat16)
@@ -105,7 +106,8 @@ def main() -> None:
         tps = sum(outs[:n]) / secs
         best = max(best, tps)
         print(f"HF generate, batch {b:3d}, first {n} requests: {secs:7.1f} s, {tps:6.1f} output tok/s")
-    print(f"\nlesson 14 / best HF: {ours / best:.1f}x")
+    print(f"\nlesson 14 / best HF: {ours / best:.1f}x   (load average at the end: "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())})")
 
 
 if __name__ == "__main__":
