@@ -7,8 +7,8 @@ from minivllm_support.cli import base_parser, machine, setup
 from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
-from step11_preemption.engine import PreemptingEngine as NewestEngine
-from step11_preemption.scheduler import PreemptionSchedulerConfig
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step14_batched_forward.engine import BatchedEngine as NewestEngine
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -24,8 +24,8 @@ def main() -> None:
     folder = resolve_model(args.model)
     print(f"machine: {machine()}\nmodel: {folder} ({args.dtype}), engine: {NewestEngine.__module__}\n")
     model, tok = load_model(folder, dtype), load_tokenizer(folder)
-    engine = NewestEngine(model, PreemptionSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                                           max_kv_tokens=4096))
+    engine = NewestEngine(model, PagedSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                                      kv_cache_bytes=256 * 2**20))
     t0 = time.perf_counter()
     seqs = engine.generate([chat_prompt_ids(tok, q) for q in QUESTIONS],
                            SamplingParams(temperature=0, max_tokens=96))
