@@ -91,3 +91,17 @@ def test_position_beyond_context_errors(tiny_qwen3_dir):
     m = load_model(tiny_qwen3_dir, torch.float32)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         m(torch.tensor([1]), torch.tensor([m.config.max_position_embeddings]))
+
+
+def test_model_lookup_order(tmp_path, monkeypatch, tiny_qwen3_dir):
+    """--model beats $MINIVLLM_MODEL, which beats a Qwen3-0.6B in the HF cache."""
+    snap = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("MINIVLLM_MODEL", raising=False)
+    assert resolve_model(None) == snap
+    monkeypatch.setenv("MINIVLLM_MODEL", str(tiny_qwen3_dir))
+    assert resolve_model(None) == tiny_qwen3_dir
+    assert resolve_model(str(snap)) == snap
