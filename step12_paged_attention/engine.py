@@ -11,11 +11,12 @@ from step12_paged_attention.scheduler import PagedScheduler, PagedSchedulerConfi
 class PagedEngine(LLMEngine):
     scheduler_class = PagedScheduler
     block_manager_class = BlockManager
+    pool_class = KVPool
 
     def make_scheduler(self, config) -> PagedScheduler:
         if not isinstance(config, PagedSchedulerConfig):
             raise TypeError("PagedEngine needs a PagedSchedulerConfig (block_size, kv_cache_bytes)")
-        self.kv_pool = KVPool.from_memory_budget(self.model.config, config.kv_cache_bytes,
+        self.kv_pool = self.pool_class.from_memory_budget(self.model.config, config.kv_cache_bytes,
                                                  config.block_size, self.dtype)
         return self.scheduler_class(config, self.block_manager_class(self.kv_pool.num_blocks, config.block_size))
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from step09_continuous_batching.scheduler import ScheduledBatch
-from step12_paged_attention.kv_pool import KVPool
+from step14_batched_forward.kv_pool import HeadMajorKVPool
 
 
 @dataclass
@@ -64,18 +64,18 @@ class Workspace:
     def __init__(self):
         self.k = self.v = None
 
-    def get(self, pool: KVPool, num_blocks: int) -> tuple[Tensor, Tensor]:
-        if self.k is None or self.k.shape[0] < num_blocks:
-            shape = (max(num_blocks, 2 * (0 if self.k is None else self.k.shape[0])),) + tuple(pool.k[0].shape[1:])
-            self.k = torch.empty(shape, dtype=pool.k[0].dtype)
-            self.v = torch.empty(shape, dtype=pool.k[0].dtype)
-        return self.k[:num_blocks], self.v[:num_blocks]
+    def get(self, n: int, tail: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self.k is None or self.k.shape[0] < n or self.k.shape[1:] != tail or self.k.dtype != dtype:
+            size = max(n, 2 * self.k.shape[0]) if self.k is not None and self.k.shape[1:] == tail else n
+            self.k = torch.empty((size,) + tail, dtype=dtype)
+            self.v = torch.empty((size,) + tail, dtype=dtype)
+        return self.k[:n], self.v[:n]
 
 
 class VarlenPagedAttention:
     """Backend: the whole batch per layer in three tensor ops (scatter, gather, attend)."""
 
-    def __init__(self, pool: KVPool, batch: ScheduledBatch, workspace: Workspace | None = None):
+    def __init__(self, pool: HeadMajorKVPool, batch: ScheduledBatch, workspace: Workspace | None = None):
         self.pool = pool
         self.workspace = workspace or Workspace()
         bs = pool.block_size
@@ -86,34 +86,39 @@ class VarlenPagedAttention:
             slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
             offsets.append(off)
             off += n
-        self.num_tokens = off
         self.slot_mapping = torch.cat(slots)
+        self.rows = pool.head_rows(self.slot_mapping)        # computed once, used by every layer
         dec = [i for i, n in enumerate(batch.num_tokens) if n == 1]
         pre = [i for i, n in enumerate(batch.num_tokens) if n > 1]
-        self.groups = [
-            (_build_group([batch.seqs[i] for i in idx], [batch.num_tokens[i] for i in idx],
-                          [offsets[i] for i in idx], bs), idx is dec)
-            for idx in (dec, pre) if idx
-        ]
+        self.groups = []
+        for idx in (dec, pre):
+            if idx:
+                g = _build_group([batch.seqs[i] for i in idx], [batch.num_tokens[i] for i in idx],
+                                 [offsets[i] for i in idx], bs)
+                self.groups.append((g, pool.piece_index(g.block_tables)))
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self.pool.write(layer_idx, self.slot_mapping, k, v)
+        pool = self.pool
+        pool.write(layer_idx, self.slot_mapping, k, v, self.rows)
         out = torch.empty_like(q)
         T, Hq, D = q.shape
-        for g, decode in self.groups:
+        Hkv, bs = pool.num_kv_heads, pool.block_size
+        group = Hq // Hkv
+        for g, pieces in self.groups:
             B, qmax = g.rows.shape
-            table = g.block_tables.flatten()
-            kb, vb = self.workspace.get(self.pool, table.numel())                   # [B*nb, bs, Hkv, D]
-            torch.index_select(self.pool.k[layer_idx], 0, table, out=kb)
-            torch.index_select(self.pool.v[layer_idx], 0, table, out=vb)
-            Hkv = kb.shape[2]
-            group = Hq // Hkv
-            keys = kb.view(B, -1, Hkv, D).transpose(1, 2)                           # [B, Hkv, L, D]
-            values = vb.view(B, -1, Hkv, D).transpose(1, 2)
+            kb, vb = self.workspace.get(pieces.numel(), (bs, D), q.dtype)
+            torch.index_select(pool.k[layer_idx].view(-1, bs, D), 0, pieces, out=kb)
+            torch.index_select(pool.v[layer_idx].view(-1, bs, D), 0, pieces, out=vb)
+            keys, values = kb.view(B, Hkv, -1, D), vb.view(B, Hkv, -1, D)   # contiguous, no transpose
             qg = q[g.rows.flatten()].view(B, qmax, Hkv, group, D)
-            qg = qg.permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * qmax, D)         # fold GQA
-            mask = g.mask.repeat(1, 1, group, 1) if qmax > 1 else g.mask             # rows: (group, qmax)
-            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+            qg = qg.permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * qmax, D)  # fold GQA: rows (group, qmax)
+            if qmax == 1:
+                # Decodes: two batched matmuls; the only mask is each sequence's length.
+                scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(D ** -0.5)
+                probs = scores.masked_fill_(~g.mask, float("-inf")).softmax(-1).to(q.dtype)
+                o = torch.matmul(probs, values)
+            else:
+                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask.repeat(1, 1, group, 1))
             o = o.view(B, Hkv, group, qmax, D).permute(0, 3, 1, 2, 4).reshape(B, qmax, Hq, D)
             out[g.rows[g.valid]] = o[g.valid]
         return out

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step13_prefix_cache.engine import PrefixCachingEngine
 from step14_batched_forward.attention import VarlenPagedAttention, Workspace
+from step14_batched_forward.kv_pool import HeadMajorKVPool
 
 
 @dataclass
@@ -23,6 +24,8 @@ class EngineStats:
 
 
 class BatchedEngine(PrefixCachingEngine):
+    pool_class = HeadMajorKVPool
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.prompt_tokens = self.generation_tokens = 0
