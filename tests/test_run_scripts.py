@@ -1,0 +1,16 @@
+"""Every lesson's run.py (and the benchmark scripts) at least imports and parses its flags."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(ROOT.glob("step[0-9][0-9]_*/run.py")) + sorted(ROOT.glob("step14_batched_forward/[bp]*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_script_help(script):
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage" in done.stdout
