@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from minivllm_support.cli import base_parser, machine, setup
-from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
+from minivllm_support.cli import base_parser
+from minivllm_support.lesson import start_lesson
+from minivllm_support.models import chat_prompt_ids
 from step04_transformer.loader import load_model
 from step05_naive.generate import generate_naive
 from step06_sampler.params import SamplingParams
@@ -19,10 +20,7 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--tokens", type=int, default=240, help="tokens generated in the timing run")
     args = p.parse_args()
-    dtype = setup(args)
-    folder = resolve_model(args.model)
-    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
-    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    dtype, folder, model, tok = start_lesson(args)
     eos = model.config.eos_token_ids
 
     ids = chat_prompt_ids(tok, "Give me three tips for learning to play the guitar.")

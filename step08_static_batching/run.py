@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import time
 
-from minivllm_support.cli import base_parser, identity_line, machine, setup
-from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
-from step04_transformer.loader import load_model
+from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.lesson import start_lesson
+from minivllm_support.models import chat_prompt_ids
 from step06_sampler.params import SamplingParams
 from step07_kv_cache.generate import generate_cached
 from step08_static_batching.batch import generate_static
@@ -25,10 +25,7 @@ MAX_TOKENS = [12, 24, 48, 16, 64, 20, 32, 80]
 
 def main() -> None:
     args = base_parser(__doc__).parse_args()
-    dtype = setup(args)
-    folder = resolve_model(args.model)
-    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
-    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    dtype, folder, model, tok = start_lesson(args)
     eos = model.config.eos_token_ids
     prompts = [chat_prompt_ids(tok, q) for q in QUESTIONS]
     params = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]

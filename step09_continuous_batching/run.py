@@ -4,9 +4,9 @@ from __future__ import annotations
 import random
 import time
 
-from minivllm_support.cli import base_parser, identity_line, machine, setup
-from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
-from step04_transformer.loader import load_model
+from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.lesson import start_lesson
+from minivllm_support.models import chat_prompt_ids
 from step06_sampler.params import SamplingParams
 from step08_static_batching.batch import generate_static
 from step09_continuous_batching.engine import LLMEngine
@@ -34,10 +34,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--batch", type=int, default=8, help="static batch size = max_num_seqs")
     args = p.parse_args()
-    dtype = setup(args)
-    folder = resolve_model(args.model)
-    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
-    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    dtype, folder, model, tok = start_lesson(args)
     prompts, params = workload(tok, args.requests)
     n_out = sum(sp.max_tokens for sp in params)
     print(f"{args.requests} requests, max_tokens from {min(s.max_tokens for s in params)} to "

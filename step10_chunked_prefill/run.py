@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import statistics
 
-from minivllm_support.cli import base_parser, identity_line, machine, setup
-from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
-from step04_transformer.loader import load_model
+from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.lesson import start_lesson
+from minivllm_support.models import chat_prompt_ids
 from step06_sampler.params import SamplingParams
 from step09_continuous_batching.engine import LLMEngine
 from step09_continuous_batching.scheduler import SchedulerConfig
@@ -40,10 +40,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=128, help="max_num_batched_tokens with chunking")
     p.add_argument("--decode-tokens", type=int, default=48)
     args = p.parse_args()
-    dtype = setup(args)
-    folder = resolve_model(args.model)
-    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
-    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    dtype, folder, model, tok = start_lesson(args)
     shorts = [chat_prompt_ids(tok, q) for q in SHORT]
     filler = tok.encode(" The quick brown fox jumps over the lazy dog near the quiet river bank." * 200,
                         add_special_tokens=False)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import time
 
-from minivllm_support.cli import base_parser, identity_line, machine, setup
-from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
-from step04_transformer.loader import load_model
+from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.lesson import start_lesson
+from minivllm_support.models import chat_prompt_ids
 from step06_sampler.params import SamplingParams
 from step09_continuous_batching.scheduler import SchedulerConfig
 from step10_chunked_prefill.engine import ChunkedPrefillEngine
@@ -22,10 +22,7 @@ def main() -> None:
     p.add_argument("--max-kv-tokens", type=int, default=400)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
-    dtype = setup(args)
-    folder = resolve_model(args.model)
-    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
-    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    dtype, folder, model, tok = start_lesson(args)
     prompts = [chat_prompt_ids(tok, q) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     peak = sum(len(p) + args.max_tokens - 1 for p in prompts)

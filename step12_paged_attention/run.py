@@ -5,9 +5,9 @@ import random
 import statistics
 import time
 
-from minivllm_support.cli import base_parser, identity_line, machine, setup
-from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
-from step04_transformer.loader import load_model
+from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.lesson import start_lesson
+from minivllm_support.models import chat_prompt_ids
 from step06_sampler.params import SamplingParams
 from step11_preemption.engine import PreemptingEngine
 from step11_preemption.scheduler import PreemptionSchedulerConfig
@@ -43,10 +43,7 @@ def main() -> None:
     p.add_argument("--short-max-model-len", type=int, default=2048,
                    help="a second, smaller contiguous reservation to compare with")
     args = p.parse_args()
-    dtype = setup(args)
-    folder = resolve_model(args.model)
-    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
-    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    dtype, folder, model, tok = start_lesson(args)
     cfg = model.config
     prompts, params = workload(tok, args.requests)
     bs, budget = args.block_size, args.kv_cache_mib * 2**20

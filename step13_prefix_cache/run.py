@@ -4,9 +4,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from minivllm_support.cli import base_parser, identity_line, machine, setup
-from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
-from step04_transformer.loader import load_model
+from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.lesson import start_lesson
+from minivllm_support.models import chat_prompt_ids
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.engine import PagedEngine
 from step12_paged_attention.scheduler import PagedSchedulerConfig
@@ -90,10 +90,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=256)
     args = p.parse_args()
-    dtype = setup(args)
-    folder = resolve_model(args.model)
-    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
-    model, tok = load_model(folder, dtype), load_tokenizer(folder)
+    dtype, folder, model, tok = start_lesson(args)
     prompts = [chat_prompt_ids(tok, q, system=SYSTEM) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     shared = next(i for i in range(min(map(len, prompts))) if len({pr[i] for pr in prompts}) > 1)
