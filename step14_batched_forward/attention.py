@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from step09_continuous_batching.scheduler import ScheduledBatch
+from step14_batched_forward import kernel
 from step14_batched_forward.kv_pool import HeadMajorKVPool
 
 
@@ -30,6 +31,7 @@ class Group:
     rows: Tensor          # [B, Qmax] index of each query token in the flat batch (pads -> 0)
     valid: Tensor         # [B, Qmax] bool, real query tokens
     block_tables: Tensor  # [B, max_blocks] (pads -> block 0, masked out)
+    lens: Tensor          # [B] keys each sequence attends to after this step's write
     mask: Tensor | None   # [B, 1, Qmax, L] bool: may attend (None for decodes: length mask only)
 
 
@@ -49,8 +51,9 @@ def _build_group(seqs, ns, offsets, block_size: int) -> Group:
     key_pos = torch.arange(L)
     q_pos = starts[:, None] + torch.arange(qmax)[None, :]                       # [B, Qmax]
     mask = key_pos[None, None, :] <= q_pos[:, :, None]                          # causal, and
-    mask = mask & (key_pos[None, None, :] < (starts + torch.tensor(ns))[:, None, None])  # within length
-    return Group(rows, valid, tables, mask[:, None])
+    lens = starts + torch.tensor(ns)
+    mask = mask & (key_pos[None, None, :] < lens[:, None, None])                 # within length
+    return Group(rows, valid, tables, lens, mask[:, None])
 
 
 class Workspace:
@@ -63,6 +66,7 @@ class Workspace:
 
     def __init__(self):
         self.k = self.v = None
+        self.scores = torch.empty(0)
 
     def get(self, n: int, tail: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         if self.k is None or self.k.shape[0] < n or self.k.shape[1:] != tail or self.k.dtype != dtype:
@@ -71,13 +75,22 @@ class Workspace:
             self.v = torch.empty((size,) + tail, dtype=dtype)
         return self.k[:n], self.v[:n]
 
+    def get_scores(self, n: int) -> Tensor:
+        if self.scores.numel() < n:
+            self.scores = torch.empty(n, dtype=torch.float32)
+        return self.scores
+
 
 class VarlenPagedAttention:
-    """Backend: the whole batch per layer in three tensor ops (scatter, gather, attend)."""
+    """Backend: the whole batch per layer: one scatter, then decodes through the paged kernel
+    and prefill chunks through gather + SDPA (or everything through the gather when
+    `use_kernel` is False or the kernel cannot be built)."""
 
-    def __init__(self, pool: HeadMajorKVPool, batch: ScheduledBatch, workspace: Workspace | None = None):
+    def __init__(self, pool: HeadMajorKVPool, batch: ScheduledBatch, workspace: Workspace | None = None,
+                 use_kernel: bool = True):
         self.pool = pool
         self.workspace = workspace or Workspace()
+        self.use_kernel = use_kernel and kernel.load() is not None
         bs = pool.block_size
         slots, offsets, off = [], [], 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -106,6 +119,13 @@ class VarlenPagedAttention:
         group = Hq // Hkv
         for g, pieces in self.groups:
             B, qmax = g.rows.shape
+            if qmax == 1 and self.use_kernel:
+                # Decodes: the C++ kernel reads each K/V row once, in place, through the block table.
+                rows = g.rows[:, 0]
+                scores = self.workspace.get_scores(B * Hq * g.block_tables.shape[1] * bs)
+                out[rows] = kernel.paged_decode_attention(q[rows], pool.k[layer_idx], pool.v[layer_idx],
+                                                          g.block_tables, g.lens, scores)
+                continue
             kb, vb = self.workspace.get(pieces.numel(), (bs, D), q.dtype)
             torch.index_select(pool.k[layer_idx].view(-1, bs, D), 0, pieces, out=kb)
             torch.index_select(pool.v[layer_idx].view(-1, bs, D), 0, pieces, out=vb)

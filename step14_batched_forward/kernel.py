@@ -1,0 +1,113 @@
+"""Build `paged_decode.cpp` once with the system C++ compiler and call it through ctypes.
+
+No torch headers are involved (they take a minute to compile); the kernel sees raw pointers
+and sizes, so the build is one `g++` call of about a second. The shared library is cached
+under `~/.cache/mini-vllm/kernels/`, named by a hash of the source and the flags, so an
+edited kernel is rebuilt. It is compiled with `-march=native` for the machine it runs on and
+`-fopenmp`: torch ships its own `libgomp.so.1`, which is loaded first, so the kernel's
+parallel loop runs on torch's OpenMP threads rather than a second pool fighting for the cores.
+
+Without a compiler (or with MINIVLLM_KERNEL=0) `load()` returns None and lesson 14 falls back
+to its gather-then-matmul path, which gives the same results, slower.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from minivllm_support.models import cache_dir
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only",
+         "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+LIBS = ["-lmvec"]   # vectorised expf from glibc, used under -ffast-math
+_FUNCS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+
+
+def _build(target: Path) -> None:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler '{cxx}' on PATH (set CXX or install g++)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{res.stderr[-2000:]}")
+        os.replace(out, target)         # atomic: a concurrent reader sees no half-written library
+
+
+@lru_cache(maxsize=None)
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use; None if it cannot be built or is disabled."""
+    if os.environ.get("MINIVLLM_KERNEL", "1") == "0":
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode() + platform.machine().encode())
+    target = cache_dir() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.is_file():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"paged decode kernel unavailable, using the slower gather path: {e}")
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in _FUNCS.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float]
+        fn.restype = None
+    lib.paged_decode_max_group.restype = lib.paged_decode_max_head_dim.restype = i64
+    return lib
+
+
+def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
+                           seq_lens: Tensor, scores: Tensor | None = None) -> Tensor:
+    """softmax(q K^T / sqrt(D)) V for one query token per sequence, K/V read through block tables.
+
+    q [B, Hq, D]; k_pool, v_pool [num_blocks, Hkv, block_size, D]; block_tables [B, max_blocks]
+    and seq_lens [B] int64. `scores` is optional float32 scratch to reuse across layers.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the paged decode kernel is not available (see the warning above)")
+    B, Hq, D = q.shape
+    num_blocks, Hkv, bs, Dk = k_pool.shape
+    if q.dtype not in _FUNCS or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"q/k/v must share one dtype among {list(_FUNCS)}, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if v_pool.shape != k_pool.shape or Dk != D or Hq % Hkv:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    group = Hq // Hkv
+    if group > lib.paged_decode_max_group() or D > lib.paged_decode_max_head_dim():
+        raise ValueError(f"kernel supports group <= {lib.paged_decode_max_group()} and "
+                         f"head_dim <= {lib.paged_decode_max_head_dim()}, got {group} and {D}")
+    if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+        raise TypeError("block_tables and seq_lens must be int64")
+    if block_tables.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} do not match batch {B}")
+    max_blocks = block_tables.shape[1]
+    max_len = max_blocks * bs
+    if B and (int(seq_lens.min()) < 1 or int(seq_lens.max()) > max_len):
+        raise ValueError(f"seq_lens must lie in [1, {max_len}] (the block tables' capacity)")
+    if B and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
+        raise ValueError(f"block_tables hold ids outside the pool's {num_blocks} blocks")
+    q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    need = B * Hq * max_len
+    if scores is None or scores.numel() < need or scores.dtype != torch.float32:
+        scores = torch.empty(need, dtype=torch.float32)
+    out = torch.empty_like(q)
+    getattr(lib, _FUNCS[q.dtype])(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
+                                  seq_lens.data_ptr(), out.data_ptr(), scores.data_ptr(),
+                                  B, max_blocks, Hkv, group, bs, D, max_len, D ** -0.5)
+    return out
