@@ -7,6 +7,7 @@ from step09_continuous_batching.scheduler import ScheduledBatch
 from step13_prefix_cache.engine import PrefixCachingEngine
 from step14_batched_forward.attention import VarlenPagedAttention, Workspace
 from step14_batched_forward.kv_pool import HeadMajorKVPool
+from step14_batched_forward.packed_linear import pack_linears
 
 
 @dataclass
@@ -26,16 +27,19 @@ class EngineStats:
 class BatchedEngine(PrefixCachingEngine):
     pool_class = HeadMajorKVPool
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, pack_weights: bool = True, use_kernel: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.prompt_tokens = self.generation_tokens = 0
         self.workspace = Workspace()
+        self.use_kernel = use_kernel
+        # bf16 linears get their weights pre-packed for oneDNN, once (the model changes in place).
+        self.num_packed = pack_linears(self.model) if pack_weights else 0
 
     def make_backend(self, batch: ScheduledBatch) -> VarlenPagedAttention:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-        return VarlenPagedAttention(self.kv_pool, batch, self.workspace)
+        return VarlenPagedAttention(self.kv_pool, batch, self.workspace, self.use_kernel)
 
     def step(self):
         sampled = super().step()

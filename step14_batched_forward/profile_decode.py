@@ -45,9 +45,9 @@ def main() -> None:
     print(f"decode step, {args.batch} sequences x {args.context} tokens: {1e3 * min(times):.0f} ms "
           f"({args.batch / min(times):.0f} tok/s); bytes per step: weights {weights / 1e9:.2f} GB, "
           f"KV {kv / 1e9:.2f} GB")
-    with profile() as prof:
+    with profile(record_shapes=bool(__import__("os").environ.get("SHAPES"))) as prof:
         engine.step()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
+    print(prof.key_averages(group_by_input_shape=bool(__import__("os").environ.get("SHAPES"))).table(sort_by="self_cpu_time_total", row_limit=int(__import__("os").environ.get("ROWS", 6))))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""Linear layers with weights pre-packed for oneDNN, the CPU's matmul library.
+
+`F.linear(x, W)` on a bf16 CPU tensor asks oneDNN for a matmul, and oneDNN first copies W
+into its own blocked layout (tiles its AMX / AVX-512 instructions read in order), every call.
+For a decode batch of 64 tokens that copy costs about as much as the multiply: the step is
+bound by reading the weights, and the repack reads them once more and writes them again.
+Packing once at load time, as vLLM's CPU backend and torch.compile's "freezing" do, leaves one
+read per step. The results are the same numbers: the packed matmul runs the same kernel.
+
+Packing needs torch's oneDNN ops (`torch.ops.mkldnn`, in every x86 CPU build of torch);
+where they are missing, or for float32 (where the gain is small and the tests want the plain
+path), `pack_linears` leaves the model unchanged and says how many layers it packed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b) with W held in oneDNN's blocked layout."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 64):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # The hint only picks a layout good for about that many rows; any row count works.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
+                                               "none", [], "")
+        return y.view(*shape[:-1], self.out_features)
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every bf16 nn.Linear inside `model` by a PackedLinear, in place; returns how many.
+
+    In place, like vLLM's `process_weights_after_loading`: the packed copy replaces the
+    original, so the weights are not held twice.
+    """
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and can_pack(child.weight.dtype):
+                setattr(parent, name, PackedLinear(child))
+                done += 1
+    return done
