@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step13_prefix_cache.engine import PrefixCachingEngine
+from step14_batched_forward import kernel
 from step14_batched_forward.attention import VarlenPagedAttention, Workspace
 from step14_batched_forward.kv_pool import HeadMajorKVPool
 from step14_batched_forward.packed_linear import pack_linears
@@ -31,7 +32,8 @@ class BatchedEngine(PrefixCachingEngine):
         super().__init__(*args, **kwargs)
         self.prompt_tokens = self.generation_tokens = 0
         self.workspace = Workspace()
-        self.use_kernel = use_kernel
+        # Decodes go through the C++ paged kernel when it builds (else the torch gather path).
+        self.use_kernel = use_kernel and kernel.load() is not None
         # bf16 linears get their weights pre-packed for oneDNN, once (the model changes in place).
         self.num_packed = pack_linears(self.model) if pack_weights else 0
 

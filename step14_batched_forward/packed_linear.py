@@ -35,8 +35,11 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    return (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+            and bool(ops._is_mkldnn_bf16_supported()))
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -29,6 +29,7 @@ def main() -> None:
     print(f"machine: {machine()}")
     model = load_model(random_qwen3_06b(), torch.bfloat16)
     cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())   # before packing
     engine = BatchedEngine(model, PagedSchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=4096,
                                                       kv_cache_bytes=8 * 2**30))
     for i in range(args.batch):
@@ -41,7 +42,6 @@ def main() -> None:
         engine.step()
         times.append(time.perf_counter() - t0)
     kv = args.batch * args.context * cfg.kv_bytes_per_token
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"decode step, {args.batch} sequences x {args.context} tokens: {1e3 * min(times):.0f} ms "
           f"({args.batch / min(times):.0f} tok/s); bytes per step: weights {weights / 1e9:.2f} GB, "
           f"KV {kv / 1e9:.2f} GB")

@@ -35,8 +35,9 @@ def test_batched_under_preemption_and_chunking(smol_fp32, engine_workload):
     assert engine.stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("chunks", [[1, 1, 1], [5, 1, 9, 1], [7, 16, 3]])
-def test_varlen_backend_equals_per_sequence_backend(tiny_qwen3_dir, chunks):
+def test_varlen_backend_equals_per_sequence_backend(tiny_qwen3_dir, chunks, use_kernel):
     """Same pool contents, same queries: lesson 14's one-shot attention = lesson 12's loop."""
     from step04_transformer.config import ModelConfig
     cfg = ModelConfig.from_pretrained(tiny_qwen3_dir)
@@ -59,7 +60,7 @@ def test_varlen_backend_equals_per_sequence_backend(tiny_qwen3_dir, chunks):
     k = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, generator=g)
     v = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, generator=g)
     ref = PagedAttention(pools[0], batch)(1, q, k, v)
-    out = VarlenPagedAttention(pools[1], batch)(1, q, k, v)
+    out = VarlenPagedAttention(pools[1], batch, use_kernel=use_kernel)(1, q, k, v)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for seq in batch.seqs:                          # the same slots were written
         table = torch.tensor(seq.kv)
