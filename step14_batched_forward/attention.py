@@ -1,14 +1,17 @@
-"""Attention for the whole batch at once, reading K/V straight from the paged pool.
+"""Attention for the whole batch at once, reading K/V from the paged pool.
 
 Lesson 12 looped over sequences in Python (one small attention per sequence, per layer). Here
 every step builds a little metadata once, then each layer does:
 
-    1. one scatter   pool[slot_mapping] = k, v               (all new tokens of all sequences)
-    2. one gather    blocks = pool[block_tables]              [B, max_blocks * block_size, Hkv, D]
-    3. one attention  decodes: [B, Hkv, group, D] x blocks    (no mask: only key padding)
-                      prefill chunks: padded [B', Qmax] queries with a causal + length mask
+    1. one scatter    pool[slot_mapping] = k, v              (all new tokens of all sequences)
+    2. decodes        one call of the C++ paged kernel: every K/V row read once, in place,
+                      through the block tables (kernel.py, paged_decode.cpp)
+       prefill chunks one gather  blocks = pool[block_tables] -> [B', Hkv, L, D]
+                      one SDPA with a causal + length mask over padded [B', Qmax] queries
 
-Decodes fold each KV head's `group` query heads into the query dimension, so GQA needs no
+Without the kernel (no compiler, or use_kernel=False) decodes take the gather path too, with
+two batched matmuls: the same numbers, but every K/V byte is read, written and read again.
+Queries fold each KV head's `group` query heads into the query dimension, so GQA needs no
 repeated K/V. Prefill chunks and decodes are two calls because padding a one-token decode to
 the length of a 500-token chunk would waste 500x the work.
 """
@@ -123,8 +126,9 @@ class VarlenPagedAttention:
                 # Decodes: the C++ kernel reads each K/V row once, in place, through the block table.
                 rows = g.rows[:, 0]
                 scores = self.workspace.get_scores(B * Hq * g.block_tables.shape[1] * bs)
-                out[rows] = kernel.paged_decode_attention(q[rows], pool.k[layer_idx], pool.v[layer_idx],
-                                                          g.block_tables, g.lens, scores)
+                with torch.profiler.record_function("paged_decode_kernel"):    # named in profiles
+                    out[rows] = kernel.paged_decode_attention(q[rows], pool.k[layer_idx], pool.v[layer_idx],
+                                                              g.block_tables, g.lens, scores)
                 continue
             kb, vb = self.workspace.get(pieces.numel(), (bs, D), q.dtype)
             torch.index_select(pool.k[layer_idx].view(-1, bs, D), 0, pieces, out=kb)

@@ -5,6 +5,7 @@ Random weights (no checkpoint is needed to measure speed): 28 layers, hidden 102
 random token ids and 64-256 output tokens with ignore_eos, from a fixed seed.
 
     python step14_batched_forward/bench.py --threads 2
+    python step14_batched_forward/bench.py --ladder      # also lesson 14 without kernel / packing
 """
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def workload(n: int, seed: int, vocab: int):
     return prompts, outs
 
 
-def run_engine(model, prompts, outs, max_num_seqs: int, budget: int, kv_bytes: int) -> tuple[float, BatchedEngine]:
+def run_engine(model, prompts, outs, max_num_seqs: int, budget: int, kv_bytes: int,
+               **options) -> tuple[float, BatchedEngine]:
     engine = BatchedEngine(model, PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                                      kv_cache_bytes=kv_bytes))
+                                                      kv_cache_bytes=kv_bytes), **options)
     t0 = time.perf_counter()
     engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs])
     return time.perf_counter() - t0, engine
@@ -78,6 +80,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--ladder", action="store_true",
+                   help="first run lesson 14 in plain torch, then with the kernel only (adds ~5 min)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -89,11 +93,19 @@ def main() -> None:
     print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
           f"tokens (sum {sum(map(len, prompts))}), outputs {min(outs)}-{max(outs)} (sum {sum(outs)}), ignore_eos\n")
 
-    secs, engine = run_engine(model, prompts, outs, args.max_num_seqs, args.budget, int(args.kv_gib * 2**30))
-    ours = sum(outs) / secs
-    print(f"lesson 14 engine: {secs:7.1f} s, {ours:6.1f} output tok/s  ({engine.num_steps} steps, "
-          f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.budget}, "
-          f"preemptions={engine.scheduler.num_preemptions})")
+    variants = [("lesson 14 engine", {})]
+    if args.ladder:     # packing changes the model in place, so the packed run comes last
+        variants = [("lesson 14, torch only    ", dict(use_kernel=False, pack_weights=False)),
+                    ("lesson 14, + decode kernel", dict(pack_weights=False)),
+                    ("lesson 14, + packed weights", {})]
+    for name, options in variants:
+        secs, engine = run_engine(model, prompts, outs, args.max_num_seqs, args.budget, int(args.kv_gib * 2**30),
+                                  **options)
+        ours = sum(outs) / secs
+        print(f"{name}: {secs:7.1f} s, {ours:6.1f} output tok/s  ({engine.num_steps} steps, "
+              f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.budget}, "
+              f"preemptions={engine.scheduler.num_preemptions}, kernel={engine.use_kernel}, "
+              f"packed linears={engine.num_packed})")
     if args.skip_hf:
         return
     del engine

@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the Qwen3-0.6B shape: B sequences of `--context` tokens.
 
     python step14_batched_forward/profile_decode.py --batch 64 --context 360
+    python step14_batched_forward/profile_decode.py --torch-only     # no C++ kernel, no packed weights
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=360)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--torch-only", action="store_true", help="gather + matmul attention, unpacked weights")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -31,7 +33,8 @@ def main() -> None:
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())   # before packing
     engine = BatchedEngine(model, PagedSchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=4096,
-                                                      kv_cache_bytes=8 * 2**30))
+                                                      kv_cache_bytes=8 * 2**30),
+                           use_kernel=not args.torch_only, pack_weights=not args.torch_only)
     for i in range(args.batch):
         engine.add_request([1000 + i] * args.context, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
