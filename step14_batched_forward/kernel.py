@@ -2,9 +2,9 @@
 
 No torch headers are involved (they take a minute to compile); the kernel sees raw pointers
 and sizes, so the build is one `g++` call of about a second. The shared library is cached
-under `~/.cache/mini-vllm/kernels/`, named by a hash of the source and the flags, so an
-edited kernel is rebuilt. It is compiled with `-march=native` for the machine it runs on and
-`-fopenmp`: torch ships its own `libgomp.so.1`, which is loaded first, so the kernel's
+under `~/.cache/mini-vllm/kernels/`, named by a hash of the source, the flags and the CPU's
+feature flags, so an edited kernel (or a home folder shared with another CPU) gets a rebuild.
+It is compiled with `-march=native` for the machine it runs on and `-fopenmp`: torch ships its own `libgomp.so.1`, which is loaded first, so the kernel's
 parallel loop runs on torch's OpenMP threads rather than a second pool fighting for the cores.
 
 Without a compiler (or with MINIVLLM_KERNEL=0) `load()` returns None and lesson 14 falls back
@@ -48,12 +48,22 @@ def _build(target: Path) -> None:
         os.replace(out, target)         # atomic: a concurrent reader sees no half-written library
 
 
+def _cpu_id() -> bytes:
+    """What -march=native depends on: a library built for one CPU may not run on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "").encode()
+    except OSError:
+        return platform.processor().encode()
+
+
 @lru_cache(maxsize=None)
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None if it cannot be built or is disabled."""
     if os.environ.get("MINIVLLM_KERNEL", "1") == "0":
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode() + platform.machine().encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode() + platform.machine().encode()
+                         + _cpu_id())
     target = cache_dir() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
     try:
         if not target.is_file():
