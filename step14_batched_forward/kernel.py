@@ -4,8 +4,9 @@ No torch headers are involved (they take a minute to compile); the kernel sees r
 and sizes, so the build is one `g++` call of about a second. The shared library is cached
 under `~/.cache/mini-vllm/kernels/`, named by a hash of the source, the flags and the CPU's
 feature flags, so an edited kernel (or a home folder shared with another CPU) gets a rebuild.
-It is compiled with `-march=native` for the machine it runs on and `-fopenmp`: torch ships its own `libgomp.so.1`, which is loaded first, so the kernel's
-parallel loop runs on torch's OpenMP threads rather than a second pool fighting for the cores.
+It is compiled with `-march=native` for the machine it runs on and `-fopenmp`: torch ships
+its own `libgomp.so.1`, which is loaded first, so the kernel's parallel loop runs on torch's
+OpenMP threads rather than a second pool fighting for the cores.
 
 Without a compiler (or with MINIVLLM_KERNEL=0) `load()` returns None and lesson 14 falls back
 to its gather-then-matmul path, which gives the same results, slower.
