@@ -2,8 +2,9 @@
 
 `F.linear(x, W)` on a bf16 CPU tensor asks oneDNN for a matmul, and oneDNN first copies W
 into its own blocked layout (tiles its AMX / AVX-512 instructions read in order), every call.
-For a decode batch of 64 tokens that copy costs about as much as the multiply: the step is
-bound by reading the weights, and the repack reads them once more and writes them again.
+A decode step is bound by reading the weights, and that copy reads them once more and
+writes them again: on this machine a 3072 x 1024 weight times 64 rows took 0.44 ms a call
+unpacked and 0.27 ms packed.
 Packing once at load time, as vLLM's CPU backend and torch.compile's "freezing" do, leaves one
 read per step. The results are the same numbers: the packed matmul runs the same kernel.
 
