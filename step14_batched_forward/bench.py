@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-engine", action="store_true", help="only HF generate (to search its best batch size)")
     p.add_argument("--ladder", action="store_true",
                    help="first run lesson 14 in plain torch, then with the kernel only (adds ~5 min)")
     args = p.parse_args()
@@ -93,8 +94,8 @@ def main() -> None:
     print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
           f"tokens (sum {sum(map(len, prompts))}), outputs {min(outs)}-{max(outs)} (sum {sum(outs)}), ignore_eos\n")
 
-    variants = [("lesson 14 engine", {})]
-    if args.ladder:     # packing changes the model in place, so the packed run comes last
+    variants = [] if args.skip_engine else [("lesson 14 engine", {})]
+    if args.ladder and not args.skip_engine:     # packing changes the model in place, so the packed run comes last
         variants = [("lesson 14, torch only    ", dict(use_kernel=False, pack_weights=False)),
                     ("lesson 14, + decode kernel", dict(pack_weights=False)),
                     ("lesson 14, + packed weights", {})]
@@ -108,7 +109,7 @@ def main() -> None:
               f"packed linears={engine.num_packed})")
     if args.skip_hf:
         return
-    del engine
+    engine = None
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     n = min(args.hf_requests, len(prompts))
@@ -118,6 +119,8 @@ def main() -> None:
         tps = sum(outs[:n]) / secs
         best = max(best, tps)
         print(f"HF generate, batch {b:3d}, first {n} requests: {secs:7.1f} s, {tps:6.1f} output tok/s")
+    if args.skip_engine:
+        return
     print(f"\nlesson 14 / best HF: {ours / best:.1f}x   (load average at the end: "
           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())})")
 
