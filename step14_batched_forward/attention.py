@@ -128,7 +128,8 @@ class VarlenPagedAttention:
                 scores = self.workspace.get_scores(B * Hq * g.block_tables.shape[1] * bs)
                 with torch.profiler.record_function("paged_decode_kernel"):    # named in profiles
                     out[rows] = kernel.paged_decode_attention(q[rows], pool.k[layer_idx], pool.v[layer_idx],
-                                                              g.block_tables, g.lens, scores)
+                                                              g.block_tables, g.lens, scores,
+                                                              check=layer_idx == 0)  # same tables every layer
                 continue
             kb, vb = self.workspace.get(pieces.numel(), (bs, D), q.dtype)
             torch.index_select(pool.k[layer_idx].view(-1, bs, D), 0, pieces, out=kb)

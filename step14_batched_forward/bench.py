@@ -48,12 +48,20 @@ def workload(n: int, seed: int, vocab: int):
 
 
 def run_engine(model, prompts, outs, max_num_seqs: int, budget: int, kv_bytes: int,
-               **options) -> tuple[float, BatchedEngine]:
+               **options) -> tuple[float, float, BatchedEngine]:
+    """Total seconds, seconds spent in steps that computed prompt tokens, and the engine."""
     engine = BatchedEngine(model, PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                                       kv_cache_bytes=kv_bytes), **options)
     t0 = time.perf_counter()
-    engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs])
-    return time.perf_counter() - t0, engine
+    for p, m in zip(prompts, outs):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    prefill_secs = 0.0
+    while engine.has_unfinished():          # engine.generate's loop, with the prefill steps timed
+        before, t = engine.prompt_tokens, time.perf_counter()
+        engine.step()
+        if engine.prompt_tokens > before:
+            prefill_secs += time.perf_counter() - t
+    return time.perf_counter() - t0, prefill_secs, engine
 
 
 def run_hf(hf, prompts, outs, batch: int) -> float:
@@ -100,13 +108,13 @@ def main() -> None:
                     ("lesson 14, + decode kernel", dict(pack_weights=False)),
                     ("lesson 14, + packed weights", {})]
     for name, options in variants:
-        secs, engine = run_engine(model, prompts, outs, args.max_num_seqs, args.budget, int(args.kv_gib * 2**30),
-                                  **options)
+        secs, prefill_secs, engine = run_engine(model, prompts, outs, args.max_num_seqs, args.budget,
+                                                int(args.kv_gib * 2**30), **options)
         ours = sum(outs) / secs
         print(f"{name}: {secs:7.1f} s, {ours:6.1f} output tok/s  ({engine.num_steps} steps, "
-              f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.budget}, "
-              f"preemptions={engine.scheduler.num_preemptions}, kernel={engine.use_kernel}, "
-              f"packed linears={engine.num_packed})")
+              f"{prefill_secs:.1f} s of them in steps with prompt tokens; max_num_seqs={args.max_num_seqs}, "
+              f"max_num_batched_tokens={args.budget}, preemptions={engine.scheduler.num_preemptions}, "
+              f"kernel={engine.use_kernel}, packed linears={engine.num_packed})")
     if args.skip_hf:
         return
     engine = None

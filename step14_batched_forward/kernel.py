@@ -83,15 +83,38 @@ def load() -> ctypes.CDLL | None:
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
-                           seq_lens: Tensor, scores: Tensor | None = None) -> Tensor:
+                           seq_lens: Tensor, scores: Tensor | None = None, check: bool = True) -> Tensor:
     """softmax(q K^T / sqrt(D)) V for one query token per sequence, K/V read through block tables.
 
     q [B, Hq, D]; k_pool, v_pool [num_blocks, Hkv, block_size, D]; block_tables [B, max_blocks]
     and seq_lens [B] int64. `scores` is optional float32 scratch to reuse across layers.
+    `check=False` skips the input checks: for a caller that already ran them on the same
+    tables and pool shapes (the engine checks at layer 0 of a step, not at all 28 layers).
     """
     lib = load()
     if lib is None:
         raise RuntimeError("the paged decode kernel is not available (see the warning above)")
+    B, Hq, D = q.shape
+    num_blocks, Hkv, bs, Dk = k_pool.shape
+    if check:
+        _check(lib, q, k_pool, v_pool, block_tables, seq_lens)
+    group, max_blocks = Hq // Hkv, block_tables.shape[1]
+    max_len = max_blocks * bs
+    q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    need = B * Hq * max_len
+    if scores is None or scores.numel() < need or scores.dtype != torch.float32:
+        scores = torch.empty(need, dtype=torch.float32)
+    out = torch.empty_like(q)
+    getattr(lib, _FUNCS[q.dtype])(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
+                                  seq_lens.data_ptr(), out.data_ptr(), scores.data_ptr(),
+                                  B, max_blocks, Hkv, group, bs, D, max_len, D ** -0.5)
+    return out
+
+
+def _check(lib: ctypes.CDLL, q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
+           seq_lens: Tensor) -> None:
+    """Everything the C++ side trusts: wrong sizes there read outside the pool, not raise."""
     B, Hq, D = q.shape
     num_blocks, Hkv, bs, Dk = k_pool.shape
     if q.dtype not in _FUNCS or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
@@ -106,19 +129,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
         raise TypeError("block_tables and seq_lens must be int64")
     if block_tables.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} do not match batch {B}")
-    max_blocks = block_tables.shape[1]
-    max_len = max_blocks * bs
+    max_len = block_tables.shape[1] * bs
     if B and (int(seq_lens.min()) < 1 or int(seq_lens.max()) > max_len):
         raise ValueError(f"seq_lens must lie in [1, {max_len}] (the block tables' capacity)")
     if B and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
         raise ValueError(f"block_tables hold ids outside the pool's {num_blocks} blocks")
-    q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
-    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-    need = B * Hq * max_len
-    if scores is None or scores.numel() < need or scores.dtype != torch.float32:
-        scores = torch.empty(need, dtype=torch.float32)
-    out = torch.empty_like(q)
-    getattr(lib, _FUNCS[q.dtype])(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
-                                  seq_lens.data_ptr(), out.data_ptr(), scores.data_ptr(),
-                                  B, max_blocks, Hkv, group, bs, D, max_len, D ** -0.5)
-    return out

@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=360)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--torch-only", action="store_true", help="gather + matmul attention, unpacked weights")
+    p.add_argument("--rows", type=int, default=6, help="ops shown in the profile table")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -32,6 +33,7 @@ def main() -> None:
     model = load_model(random_qwen3_06b(), torch.bfloat16)
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())   # before packing
+    linears = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
     engine = BatchedEngine(model, PagedSchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=4096,
                                                       kv_cache_bytes=8 * 2**30),
                            use_kernel=not args.torch_only, pack_weights=not args.torch_only)
@@ -46,11 +48,12 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     kv = args.batch * args.context * cfg.kv_bytes_per_token
     print(f"decode step, {args.batch} sequences x {args.context} tokens: {1e3 * min(times):.0f} ms "
-          f"({args.batch / min(times):.0f} tok/s); bytes per step: weights {weights / 1e9:.2f} GB, "
+          f"({args.batch / min(times):.0f} tok/s); bytes per step: weights {weights / 1e9:.2f} GB "
+          f"(linear layers {linears / 1e9:.2f} GB, embedding (tied LM head) and norms {(weights - linears) / 1e9:.2f} GB), "
           f"KV {kv / 1e9:.2f} GB")
-    with profile(record_shapes=bool(__import__("os").environ.get("SHAPES"))) as prof:
+    with profile() as prof:
         engine.step()
-    print(prof.key_averages(group_by_input_shape=bool(__import__("os").environ.get("SHAPES"))).table(sort_by="self_cpu_time_total", row_limit=int(__import__("os").environ.get("ROWS", 6))))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,4 @@
 """Lesson 14's C++ paged decode kernel and oneDNN-packed linears, against plain torch."""
-import warnings
-
 import pytest
 import torch
 

@@ -1,0 +1,88 @@
+"""The small measurements lesson 14's README leans on, in one run (a few seconds).
+
+    python step14_batched_forward/microbench.py
+
+1. how fast this machine reads memory (a sum over 2 GiB), the floor for a memory-bound step;
+2. one bf16 linear, 3072 x 1024 weight, 64 rows: `F.linear` vs the pre-packed weight;
+3. how long the kernel takes to build (into a temporary folder, not the cache);
+4. the decode kernel for one layer of the Qwen3-0.6B shape, 64 sequences x 360 tokens: K/V
+   blocks scattered through a large pool, then every sequence reading the same 8 blocks
+   (they stay in the cache, so what is left is the arithmetic).
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from minivllm_support.cli import machine
+from step14_batched_forward import kernel
+from step14_batched_forward.packed_linear import PackedLinear, can_pack
+
+
+def per_call(fn, repeat: int) -> float:
+    """Seconds per call, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    print(f"machine: {machine()}")
+
+    big = torch.ones(2**30, dtype=torch.bfloat16)
+    bandwidth = big.numel() * 2 / per_call(big.sum, 5)
+    del big
+    print(f"memory read (sum over 2 GiB): {bandwidth / 1e9:.1f} GB/s")
+
+    lin = torch.nn.Linear(1024, 3072, bias=False).to(torch.bfloat16)
+    x = torch.randn(64, 1024).to(torch.bfloat16)
+    plain = per_call(lambda: F.linear(x, lin.weight), 200)
+    line = f"linear 3072x1024 bf16, 64 rows: F.linear {plain * 1e3:.2f} ms"
+    if can_pack(torch.bfloat16):
+        packed = PackedLinear(lin)
+        line += f", packed {per_call(lambda: packed(x), 200) * 1e3:.2f} ms"
+    print(f"{line}, reading the weight once at {bandwidth / 1e9:.1f} GB/s: "
+          f"{lin.weight.numel() * 2 / bandwidth * 1e3:.2f} ms")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        try:
+            kernel._build(Path(tmp) / "paged_decode.so")
+            print(f"kernel build: {time.perf_counter() - t0:.2f} s")
+        except RuntimeError as e:
+            print(f"kernel build failed: {e}")
+    if kernel.load() is None:
+        return
+
+    B, Hkv, group, bs, D, L = 64, 8, 2, 16, 128, 360
+    nblk = -(-L // bs)
+    pool_blocks = B * nblk + 64
+    k_pool = torch.randn(pool_blocks, Hkv, bs, D).to(torch.bfloat16)
+    v_pool = torch.randn(pool_blocks, Hkv, bs, D).to(torch.bfloat16)
+    q = torch.randn(B, Hkv * group, D).to(torch.bfloat16)
+    lens = torch.full((B,), L)
+    scores = torch.empty(B * Hkv * group * nblk * bs)
+    kv_bytes = 2 * B * L * Hkv * D * 2
+    tables = {"scattered blocks": torch.randperm(pool_blocks)[:B * nblk].view(B, nblk),
+              "same 8 blocks (cached)": (torch.arange(B * nblk) % 8).view(B, nblk)}
+    for name, table in tables.items():
+        secs = per_call(lambda: kernel.paged_decode_attention(q, k_pool, v_pool, table, lens, scores), 40)
+        print(f"decode kernel, one layer, {B} seqs x {L} tokens, {name}: {secs * 1e3:.2f} ms "
+              f"({kv_bytes / secs / 1e9:.1f} GB/s of K/V)")
+
+
+if __name__ == "__main__":
+    main()
