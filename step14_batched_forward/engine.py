@@ -38,10 +38,13 @@ class BatchedEngine(PrefixCachingEngine):
         self.num_packed = pack_linears(self.model) if pack_weights else 0
 
     def make_backend(self, batch: ScheduledBatch) -> VarlenPagedAttention:
+        self.count_prompt_tokens(batch)
+        return VarlenPagedAttention(self.kv_pool, batch, self.workspace, self.use_kernel)
+
+    def count_prompt_tokens(self, batch: ScheduledBatch) -> None:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-        return VarlenPagedAttention(self.kv_pool, batch, self.workspace, self.use_kernel)
 
     def step(self):
         sampled = super().step()

@@ -36,16 +36,17 @@ LIBS = ["-lmvec"]   # vectorised expf from glibc, used under -ffast-math
 _FUNCS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, source: Path = SOURCE, include_dirs: tuple[Path, ...] = ()) -> None:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler '{cxx}' on PATH (set CXX or install g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], capture_output=True, text=True)
+        includes = [f"-I{d}" for d in include_dirs]
+        res = subprocess.run([cxx, *FLAGS, *includes, str(source), "-o", str(out), *LIBS], capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{res.stderr[-2000:]}")
+            raise RuntimeError(f"{cxx} failed to build {source.name}:\n{res.stderr[-2000:]}")
         os.replace(out, target)         # atomic: a concurrent reader sees no half-written library
 
 
@@ -58,18 +59,28 @@ def _cpu_id() -> bytes:
         return platform.processor().encode()
 
 
+def build_library(source: Path, include_dirs: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """Compile `source` (with the headers/sources it includes from `include_dirs`) once, cached.
+
+    Raises RuntimeError or OSError when it cannot be built or loaded. Lesson 15 builds its
+    kernel with this too.
+    """
+    included = b"".join(p.read_bytes() for d in include_dirs for p in sorted(d.glob("*.cpp")))
+    key = hashlib.sha256(source.read_bytes() + included + " ".join(FLAGS + LIBS).encode()
+                         + platform.machine().encode() + _cpu_id())
+    target = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if not target.is_file():
+        _build(target, source, include_dirs)
+    return ctypes.CDLL(str(target))
+
+
 @lru_cache(maxsize=None)
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None if it cannot be built or is disabled."""
     if os.environ.get("MINIVLLM_KERNEL", "1") == "0":
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode() + platform.machine().encode()
-                         + _cpu_id())
-    target = cache_dir() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
     try:
-        if not target.is_file():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
+        lib = build_library(SOURCE)
     except (RuntimeError, OSError) as e:
         warnings.warn(f"paged decode kernel unavailable, using the slower gather path: {e}")
         return None

@@ -1,0 +1,336 @@
+// Paged varlen FlashAttention on the CPU: prompt chunks and decodes of one step in one call.
+//
+// The whole batch arrives as flash-attn's "varlen" layout (see reference.py): q [T, Hq, D]
+// with sequence b's queries at rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1, being its last
+// n_b positions; keys 0 .. seq_lens[b]-1 live in lesson 14's head-major pool
+// [num_blocks, Hkv, block_size, D] and are read in place, block by block, through the table.
+//
+// Work items, shared out among torch's OpenMP threads:
+//   prefill tile  (sequence, KV head, up to `q_tile` queries): the tile's queries times the
+//                 `group` query heads of that KV head make M rows; K/V are walked in key
+//                 tiles of whole blocks with an online softmax (running max, sum, rescale);
+//                 key tiles past the tile's last query position are never touched.
+//   decode        (sequence, KV head) for a one-token query: the same online softmax, one
+//                 block at a time, with lesson 14's row loops (one query row per head).
+// Scratch per thread is a few tiles (about 100 KB), whatever the sequence length.
+//
+// Two ways to multiply a tile, same results up to rounding:
+//   portable      float loops the compiler vectorises (fp32, or bf16 converted on the fly)
+//   AVX512-BF16   bf16 tiles through `vdpbf16ps` (32 bf16 products summed into 16 floats per
+//                 instruction). Scores are computed transposed, S^T [keys, rows]: with the
+//                 rows of a query tile in the 16 lanes of a register, each key's row is
+//                 broadcast from the pool as it is (no transpose of K), and the softmax's
+//                 max and sum over keys become lane-wise max/add, no horizontal reductions.
+//                 P (in bf16, as flash-attn does on GPUs) times V uses V re-laid in pairs of
+//                 key rows, the layout the instruction wants.
+#include "paged_decode.cpp"  // lesson 14: to_f32, store, dot_row, axpy_row, prefetch
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxRows = 64;   // M: rows of a query tile (q_tile * group, padded to 16)
+constexpr int64_t kKeyTile = 64;   // keys per key tile (rounded to whole blocks)
+constexpr int64_t kMaxKeyTile = 1024;  // block_size limit: a key tile holds at least one block
+
+// exp for the softmax, written so that `omp simd` loops vectorise it (glibc's vector expf is
+// only used under full -ffast-math, which lesson 14's flags keep off to keep infinities).
+// exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln(2)/2, e^r by a degree-6 polynomial:
+// about 2 ulp. Far below the float range (x < -87.3, and -inf for masked keys) it returns 0.
+inline float fast_exp(float x) {
+  const float t = std::max(x, -87.3f) * 1.44269504f;
+  const float n = std::nearbyint(t);
+  const float r = (t - n) * 0.693147181f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += int32_t(n) << 23;  // times 2^n
+  float e;
+  std::memcpy(&e, &bits, sizeof e);
+  return x < -87.3f ? 0.f : e;
+}
+
+struct Args {
+  int64_t max_blocks, hkv, group, bs, D, key_tile;
+  float scale;
+  const int64_t *cu, *lens, *tables;
+};
+
+struct Scratch {  // one per thread, reused by every item it runs
+  std::vector<float> qt, kf, vf, s, acc;
+  float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
+  int64_t pos[kMaxRows];
+  Scratch(int64_t D, int64_t key_tile)  // key_tile >= block_size, so s also holds a decode's [group][block_size]
+      : qt(D * kMaxRows), kf(key_tile * D), vf(key_tile * D), s(kMaxRows * key_tile), acc(kMaxRows * D) {}
+};
+
+// ---------------------------------------------------------------------------------------
+// Tile products in float32 FMAs on 16-float vectors (GCC/Clang vector extensions: one
+// AVX-512 register, or two AVX2 ones). bf16 tiles are widened to float32 once, as they are
+// loaded; measured here, 16-lane float32 FMAs do twice the work per cycle of the AVX512-BF16
+// dot-product instruction (see README), so the wider numbers cost nothing.
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+inline vec16 load16(const float* p) { return *reinterpret_cast<const vec16*>(p); }
+inline void store16(float* p, vec16 x) { *reinterpret_cast<vec16*>(p) = x; }
+
+template <typename T>
+void widen_rows(const T* const* rows, int64_t n, int64_t D, float* dst) {  // n pool rows -> [n][D] float
+  for (int64_t k = 0; k < n; ++k)
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[k * D + d] = to_f32(rows[k][d]);
+}
+
+// S^T[k][m] = sum_d K[k][d] Qt[d][m] for NR keys and MV*16 rows, all in registers.
+template <int NR, int MV>
+inline void scores_micro(const float* kf, const float* qt, int64_t M, int64_t D, float* s) {
+  vec16 acc[NR][MV] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vec16 qv[MV];
+    for (int v = 0; v < MV; ++v) qv[v] = load16(qt + d * M + 16 * v);
+    for (int r = 0; r < NR; ++r) {
+      const float kd = kf[r * D + d];  // broadcast one key element to all 16 rows
+      for (int v = 0; v < MV; ++v) acc[r][v] += kd * qv[v];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < MV; ++v) store16(s + r * M + 16 * v, acc[r][v]);
+}
+
+template <int MV>
+void scores_mv(const float* kf, int64_t n, const float* qt, int64_t M, int64_t D, float* s) {
+  int64_t k = 0;
+  for (; k + 6 <= n; k += 6) scores_micro<6, MV>(kf + k * D, qt, M, D, s + k * M);
+  for (; k + 2 <= n; k += 2) scores_micro<2, MV>(kf + k * D, qt, M, D, s + k * M);
+  for (; k < n; ++k) scores_micro<1, MV>(kf + k * D, qt, M, D, s + k * M);
+}
+
+void scores(const float* kf, int64_t n, const float* qt, int64_t M, int64_t D, float* s) {
+  switch (M / 16) {  // rows in 16-lane vectors: 1 to 4
+    case 1: return scores_mv<1>(kf, n, qt, M, D, s);
+    case 2: return scores_mv<2>(kf, n, qt, M, D, s);
+    case 3: return scores_mv<3>(kf, n, qt, M, D, s);
+    default: return scores_mv<4>(kf, n, qt, M, D, s);
+  }
+}
+
+// acc[m][d] += sum_k P[k][m] V[k][d] for 4 rows x DV*16 columns, kept in registers over the keys.
+template <int DV>
+inline void pv_micro(const float* p, const float* vf, int64_t n, int64_t M, int64_t D, float* acc) {
+  vec16 c[4][DV];
+  for (int r = 0; r < 4; ++r)
+    for (int v = 0; v < DV; ++v) c[r][v] = load16(acc + r * D + 16 * v);
+  for (int64_t k = 0; k < n; ++k) {
+    vec16 vv[DV];
+    for (int v = 0; v < DV; ++v) vv[v] = load16(vf + k * D + 16 * v);
+    for (int r = 0; r < 4; ++r) {
+      const float pk = p[k * M + r];
+      for (int v = 0; v < DV; ++v) c[r][v] += pk * vv[v];
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int v = 0; v < DV; ++v) store16(acc + r * D + 16 * v, c[r][v]);
+}
+
+void pv(const float* p, const float* vf, int64_t n, int64_t M, int64_t D, float* acc) {
+  // Columns outer, rows inner: one 64-column slice of V (16 KB for 64 keys) stays in L1 while
+  // every row uses it. M is a multiple of 16, so rows go 4 at a time (padded rows are harmless).
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) pv_micro<4>(p + m0, vf + d0, n, M, D, acc + m0 * D + d0);
+  for (; d0 + 16 <= D; d0 += 16)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) pv_micro<1>(p + m0, vf + d0, n, M, D, acc + m0 * D + d0);
+  for (; d0 < D; ++d0)  // head_dim not a multiple of 16: the last columns one by one
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < n; ++k) acc[m * D + d0] += p[k * M + m] * vf[k * D + d0];
+}
+
+// ---------------------------------------------------------------------------------------
+// One prefill tile: queries i0 .. i0+n-1 of sequence b (positions first_pos + ...), KV head h.
+template <typename T>
+void prefill_tile(const T* q, const T* kp, const T* vp, T* out, const Args& a, int64_t b, int64_t h, int64_t i0,
+                  int64_t n, Scratch& w) {
+  const int64_t D = a.D, bs = a.bs, group = a.group, rows = n * group, M = (rows + 15) / 16 * 16;
+  const int64_t q0 = a.cu[b], len = a.lens[b], first_pos = len - (a.cu[b + 1] - q0) + (i0 - q0);
+  const int64_t last_key = first_pos + n - 1;  // no row of this tile sees past it
+  const int64_t* table = a.tables + b * a.max_blocks;
+  const int64_t key_tile = a.key_tile;
+  for (int64_t m = 0; m < M; ++m) {
+    w.m[m] = -INFINITY;
+    w.l[m] = 0.f;
+    w.pos[m] = m < rows ? first_pos + m / group : last_key;  // padded rows see every key: no NaN
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + M * D, 0.f);
+  // Qt [D][M]: row m = (query i0 + m / group, head h*group + m % group), widened; padded rows zero.
+  const int64_t Hq = a.hkv * group;
+  std::fill(w.qt.begin(), w.qt.begin() + D * M, 0.f);
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* row = q + ((i0 + m / group) * Hq + h * group + m % group) * D;
+    for (int64_t d = 0; d < D; ++d) w.qt[d * M + m] = to_f32(row[d]);
+  }
+  const T* krow[kMaxKeyTile];
+  const T* vrow[kMaxKeyTile];
+  float* s = w.s.data();
+  for (int64_t j0 = 0; j0 <= last_key; j0 += key_tile) {
+    const int64_t nk = std::min(key_tile, last_key + 1 - j0);
+    for (int64_t k = 0; k < nk; ++k) {  // block table -> row pointers into the pool
+      const int64_t key = j0 + k, piece = (table[key / bs] * a.hkv + h) * bs + key % bs;
+      krow[k] = kp + piece * D;
+      vrow[k] = vp + piece * D;
+    }
+    // The next tile's blocks lie anywhere in the pool, so no hardware prefetcher guesses them:
+    // ask for them now, while this tile's arithmetic runs.
+    for (int64_t key = j0 + nk; key < std::min(j0 + nk + key_tile, last_key + 1); key += bs) {
+      const int64_t piece = (table[key / bs] * a.hkv + h) * bs;
+      prefetch(kp + piece * D, bs * D);
+      prefetch(vp + piece * D, bs * D);
+    }
+    // S^T = K Q^T for this key tile: [nk, M].
+    widen_rows(krow, nk, D, w.kf.data());
+    scores(w.kf.data(), nk, w.qt.data(), M, D, s);
+    if (j0 + nk - 1 > w.pos[0]) {  // the tile crosses the causal diagonal: hide the future
+      for (int64_t k = 0; k < nk; ++k)
+        for (int64_t m = 0; m < M; ++m)
+          if (j0 + k > w.pos[m]) s[k * M + m] = -INFINITY;
+    }
+    // Online softmax, lane-wise over the rows: new max, rescale factor, exponentials, sums.
+    float mx[kMaxRows], sum[kMaxRows];
+    std::copy(w.m, w.m + M, mx);
+    for (int64_t k = 0; k < nk; ++k)
+#pragma omp simd
+      for (int64_t m = 0; m < M; ++m) mx[m] = std::max(mx[m], s[k * M + m]);
+#pragma omp simd
+    for (int64_t m = 0; m < M; ++m) {
+      w.alpha[m] = fast_exp((w.m[m] - mx[m]) * a.scale);
+      w.m[m] = mx[m];
+      sum[m] = 0.f;
+    }
+    for (int64_t k = 0; k < nk; ++k) {
+      float* sk = s + k * M;
+#pragma omp simd
+      for (int64_t m = 0; m < M; ++m) {
+        sk[m] = fast_exp((sk[m] - mx[m]) * a.scale);
+        sum[m] += sk[m];
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      w.l[m] = w.alpha[m] * w.l[m] + sum[m];
+      if (w.alpha[m] != 1.f) {
+        float* am = w.acc.data() + m * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) am[d] *= w.alpha[m];
+      }
+    }
+    // acc += P V for this key tile.
+    widen_rows(vrow, nk, D, w.vf.data());
+    pv(s, w.vf.data(), nk, M, D, w.acc.data());
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    T* o = out + ((i0 + m / group) * Hq + h * group + m % group) * D;
+    const float inv = 1.f / w.l[m];
+    for (int64_t d = 0; d < D; ++d) store(&o[d], w.acc[m * D + d] * inv);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// One decode: the single query row of each of the `group` heads, block by block, online.
+template <typename T>
+void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, int64_t b, int64_t h, Scratch& w) {
+  const int64_t D = a.D, bs = a.bs, group = a.group, len = a.lens[b], row = a.cu[b];
+  const int64_t* table = a.tables + b * a.max_blocks;
+  const T* qh = q + (row * a.hkv + h) * group * D;
+  float* acc = w.acc.data();  // [group][D]
+  float* s = w.s.data();      // [group][bs]
+  std::fill(acc, acc + group * D, 0.f);
+  for (int64_t g = 0; g < group; ++g) w.m[g] = -INFINITY, w.l[g] = 0.f;
+  for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
+    const int64_t cnt = std::min(bs, len - start), piece = (table[j] * a.hkv + h) * bs * D;
+    const int64_t next = start + bs < len ? (table[j + 1] * a.hkv + h) * bs * D : -1;
+    const T *kb = kp + piece, *vb = vp + piece;
+    for (int64_t t = 0; t < cnt; ++t) {
+      if (next >= 0) prefetch(kp + next + t * D, D), prefetch(vp + next + t * D, D);
+      for (int64_t g = 0; g < group; ++g) s[g * bs + t] = dot_row(qh + g * D, kb + t * D, D) * a.scale;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = s + g * bs;
+      float mx = w.m[g], sum = 0.f;
+      for (int64_t t = 0; t < cnt; ++t) mx = std::max(mx, sg[t]);
+      const float alpha = fast_exp(w.m[g] - mx);
+      #pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < cnt; ++t) sum += (sg[t] = fast_exp(sg[t] - mx));
+      w.l[g] = alpha * w.l[g] + sum;
+      w.m[g] = mx;
+      if (alpha != 1.f)
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
+    }
+    for (int64_t t = 0; t < cnt; ++t)
+      for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * D, s[g * bs + t], vb + t * D, D);
+  }
+  T* o = out + (row * a.hkv + h) * group * D;
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < D; ++d) store(&o[g * D + d], acc[g * D + d] / w.l[g]);
+}
+
+int64_t key_tile(int64_t bs) { return std::max<int64_t>(1, kKeyTile / bs) * bs; }  // whole blocks
+
+struct Item {
+  int64_t b, h, i0, n;  // n == 0: a decode
+};
+
+template <typename T>
+void flash(const T* q, const T* kp, const T* vp, T* out, const Args& a, int64_t B, int64_t q_tile) {
+  // Most expensive first (prefill tiles late in long sequences), so the threads finish together.
+  std::vector<std::pair<int64_t, Item>> work;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q0 = a.cu[b], n = a.cu[b + 1] - q0;
+    for (int64_t h = 0; h < a.hkv; ++h) {
+      if (n == 1) {
+        work.push_back({a.lens[b], Item{b, h, q0, 0}});
+        continue;
+      }
+      for (int64_t i0 = q0; i0 < q0 + n; i0 += q_tile) {
+        const int64_t cnt = std::min(q_tile, q0 + n - i0);
+        work.push_back({(a.lens[b] - (q0 + n - i0) + cnt) * cnt, Item{b, h, i0, cnt}});
+      }
+    }
+  }
+  std::stable_sort(work.begin(), work.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  const int64_t num = int64_t(work.size());
+#pragma omp parallel
+  {
+    Scratch w(a.D, a.key_tile);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num; ++i) {
+      const Item& it = work[i].second;
+      if (it.n == 0)
+        decode_item(q, kp, vp, out, a, it.b, it.h, w);
+      else
+        prefill_tile(q, kp, vp, out, a, it.b, it.h, it.i0, it.n, w);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t flash_max_rows() { return kMaxRows; }
+
+void flash_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* cu,
+                          const int64_t* lens, const int64_t* tables, uint16_t* out, int64_t B, int64_t max_blocks,
+                          int64_t hkv, int64_t group, int64_t bs, int64_t D, float scale, int64_t q_tile) {
+  flash(q, k, v, out, Args{max_blocks, hkv, group, bs, D, key_tile(bs), scale, cu, lens, tables}, B, q_tile);
+}
+
+void flash_attention_f32(const float* q, const float* k, const float* v, const int64_t* cu, const int64_t* lens,
+                         const int64_t* tables, float* out, int64_t B, int64_t max_blocks, int64_t hkv,
+                         int64_t group, int64_t bs, int64_t D, float scale, int64_t q_tile) {
+  flash(q, k, v, out, Args{max_blocks, hkv, group, bs, D, key_tile(bs), scale, cu, lens, tables}, B, q_tile);
+}
+
+}  // extern "C"
