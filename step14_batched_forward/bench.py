@@ -48,9 +48,9 @@ def workload(n: int, seed: int, vocab: int):
 
 
 def run_engine(model, prompts, outs, max_num_seqs: int, budget: int, kv_bytes: int,
-               **options) -> tuple[float, float, BatchedEngine]:
+               engine_class: type = BatchedEngine, **options) -> tuple[float, float, BatchedEngine]:
     """Total seconds, seconds spent in steps that computed prompt tokens, and the engine."""
-    engine = BatchedEngine(model, PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+    engine = engine_class(model, PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                                       kv_cache_bytes=kv_bytes), **options)
     t0 = time.perf_counter()
     for p, m in zip(prompts, outs):

@@ -19,6 +19,7 @@ from torch import Tensor
 from step14_batched_forward import kernel as lesson14_kernel
 
 SOURCE = Path(__file__).with_name("flash_attention.cpp")
+MAX_BLOCK_SIZE = 1024          # kMaxKeyTile in the C++ file
 _FUNCS = {torch.bfloat16: "flash_attention_bf16", torch.float32: "flash_attention_f32"}
 
 
@@ -53,8 +54,10 @@ def flash_attention_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, cu_seqlens_q:
         raise RuntimeError("the flash attention kernel is not available (see the warning above)")
     if check:
         check_inputs(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, set(_FUNCS))
-        if q.shape[1] // k_pool.shape[1] > lib.flash_max_rows():
-            raise ValueError(f"the kernel supports up to {lib.flash_max_rows()} query heads per KV head")
+        if q.shape[1] // k_pool.shape[1] > lib.flash_max_rows() or k_pool.shape[2] > MAX_BLOCK_SIZE:
+            raise ValueError(f"the kernel supports up to {lib.flash_max_rows()} query heads per KV head and "
+                             f"blocks of up to {MAX_BLOCK_SIZE} tokens, got {q.shape[1] // k_pool.shape[1]} "
+                             f"and {k_pool.shape[2]}")
     T, Hq, D = q.shape
     num_blocks, Hkv, bs, _ = k_pool.shape
     group = Hq // Hkv

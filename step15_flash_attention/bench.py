@@ -1,0 +1,174 @@
+"""Lesson 15 against lesson 14 on the Qwen3-0.6B shape (random weights, bf16), three measurements.
+
+    python step15_flash_attention/bench.py kernel      # one layer's attention, one causal 8k sequence:
+                                                        # our C++ kernel vs torch's CPU flash SDPA
+    python step15_flash_attention/bench.py prefill     # one long prompt (2k, 8k, 16k; --lengths, --long
+                                                        # adds 32k) chunked at 512 tokens a step:
+                                                        # wall time, prefill tok/s, peak memory
+    python step15_flash_attention/bench.py workload    # lesson 14's bench workload (64 requests),
+                                                        # lesson 14 and 15 alternating
+
+Each prefill run is its own process; the memory printed is how far its peak resident memory
+(VmHWM, reset after the model is loaded) rose during the prefill, next to the bytes of K/V the
+prompt needs, which are part of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from minivllm_support.cli import machine
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, run_engine, workload
+from step14_batched_forward.engine import BatchedEngine
+from step15_flash_attention.engine import FlashEngine
+
+ENGINES = {"14": (BatchedEngine, {}), "15": (FlashEngine, {"attention_backend": "cpu"})}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def reset_peak_rss() -> int:
+    """Current resident memory in bytes, with the kernel's peak (VmHWM) reset to it."""
+    with open("/proc/self/clear_refs", "w") as f:   # "5" resets the peak RSS (Linux >= 4.0)
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+def kernel_vs_sdpa(length: int, reps: int) -> None:
+    """One layer: 16 query heads, 8 KV heads, head_dim 128, one causal sequence, bf16."""
+    from step15_flash_attention.flash_cpu import flash_attention_cpu
+    Hq, Hkv, D, bs = 16, 8, 128, 16
+    g = torch.Generator().manual_seed(0)
+    nb = length // bs
+    k_pool, v_pool = (torch.randn(nb, Hkv, bs, D, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(length, Hq, D, generator=g).bfloat16()
+    tables = torch.randperm(nb, generator=g)[None]                  # scattered blocks, as in a real pool
+    cu, lens = torch.tensor([0, length]), torch.tensor([length])
+    # torch's SDPA wants contiguous [heads, L, D] K/V with the GQA heads repeated: built outside the timer.
+    k = k_pool[tables[0]].transpose(1, 2).reshape(length, Hkv, D).repeat_interleave(Hq // Hkv, 1).transpose(0, 1)
+    v = v_pool[tables[0]].transpose(1, 2).reshape(length, Hkv, D).repeat_interleave(Hq // Hkv, 1).transpose(0, 1)
+    k, v, qh = k.contiguous()[None], v.contiguous()[None], q.transpose(0, 1).contiguous()[None]
+    flops = 4 * Hq * D * length * length / 2                        # QK^T and PV, causal half
+    results = {}
+    for name, fn in [("ours (paged, in place)", lambda: flash_attention_cpu(q, k_pool, v_pool, cu, lens, tables)),
+                     ("torch SDPA is_causal (contiguous K/V)",
+                      lambda: F.scaled_dot_product_attention(qh, k, v, is_causal=True))]:
+        fn()                                                        # warm-up
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn()
+        secs = (time.perf_counter() - t0) / reps
+        results[name] = (secs, out)
+        print(f"{name:40s} {secs:7.3f} s per layer  {flops / secs / 1e9:6.1f} GFLOP/s")
+    (a, oa), (b, ob) = results.values()
+    diff = (oa.float() - ob[0].transpose(0, 1).float()).abs().max().item()
+    print(f"ours / SDPA time: {a / b:.2f} (below 1 = ours faster), max |difference| {diff:.4f} (bf16)")
+
+
+def one_prefill(engine_name: str, length: int, budget: int) -> dict:
+    """Run in a child process: load, then prefill one prompt of `length` random tokens."""
+    from step04_transformer.loader import load_model
+    model = load_model(random_qwen3_06b(), torch.bfloat16)
+    cls, options = ENGINES[engine_name]
+    kv_bytes = 2 * 28 * 8 * 128 * 2 * (length + 64)                # the prompt's K/V plus a margin
+    engine = cls(model, PagedSchedulerConfig(max_num_seqs=1, max_num_batched_tokens=budget, kv_cache_bytes=kv_bytes),
+                 **options)
+    rng = torch.Generator().manual_seed(length)
+    prompt = torch.randint(1000, QWEN3_06B_SHAPE["vocab_size"] - 1000, (length,), generator=rng).tolist()
+    before = reset_peak_rss()         # after loading: the loader's own peak is not the prefill's
+    t0 = time.perf_counter()
+    engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    secs = time.perf_counter() - t0
+    return dict(secs=secs, extra_rss=peak_rss() - before, steps=engine.num_steps,
+                kv_bytes=2 * 28 * 8 * 128 * 2 * length, backend=getattr(engine, "attention", None) and engine.attention.name)
+
+
+def prefill(lengths: list[int], budget: int, threads: int, skip14: bool) -> None:
+    print(f"one prompt, chunked at max_num_batched_tokens={budget}; extra memory = peak RSS growth during "
+          f"the prefill (the prompt's K/V are part of it)\n")
+    print(f"{'tokens':>7} {'lesson':>6} {'seconds':>8} {'prefill tok/s':>14} {'extra MB':>9} {'K/V MB':>7}")
+    for length in lengths:
+        row = {}
+        for name in ([] if skip14 else ["14"]) + ["15"]:
+            cmd = [sys.executable, "-m", "step15_flash_attention.bench", "_one", name, str(length),
+                   "--budget", str(budget), "--threads", str(threads)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                print(f"{length:7d} {name:>6} failed:\n{res.stderr[-1500:]}")
+                continue
+            r = json.loads(res.stdout.strip().splitlines()[-1])
+            row[name] = r
+            print(f"{length:7d} {name:>6} {r['secs']:8.1f} {length / r['secs']:14.1f} "
+                  f"{r['extra_rss'] / 2**20:9.0f} {r['kv_bytes'] / 2**20:7.0f}", flush=True)
+        if len(row) == 2:
+            print(f"{'':7} lesson 15 is {row['14']['secs'] / row['15']['secs']:.2f}x faster than lesson 14 "
+                  f"at {length} tokens")
+
+
+def run_workload(rounds: int, seed: int) -> None:
+    from step04_transformer.loader import load_model
+    model = load_model(random_qwen3_06b(), torch.bfloat16)
+    prompts, outs = workload(64, seed, QWEN3_06B_SHAPE["vocab_size"])
+    print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"outputs {min(outs)}-{max(outs)} (sum {sum(outs)}), ignore_eos; max_num_seqs=64, "
+          f"max_num_batched_tokens=512; runs alternate\n")
+    totals: dict[str, list[float]] = {"14": [], "15": []}
+    for r in range(rounds):
+        for name, (cls, options) in ENGINES.items():
+            secs, prefill_secs, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30, engine_class=cls,
+                                                    **options)
+            totals[name].append(secs)
+            print(f"round {r + 1}, lesson {name}: {secs:6.1f} s, {sum(outs) / secs:6.1f} output tok/s, "
+                  f"{prefill_secs:5.1f} s in steps with prompt tokens, {engine.num_steps} steps", flush=True)
+    best14, best15 = min(totals["14"]), min(totals["15"])
+    print(f"\nbest of {rounds}: lesson 14 {sum(outs) / best14:.1f}, lesson 15 {sum(outs) / best15:.1f} output tok/s "
+          f"(lesson 15 / lesson 14 = {best14 / best15:.2f}x)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["kernel", "prefill", "workload", "_one"])
+    p.add_argument("engine", nargs="?", help=argparse.SUPPRESS)
+    p.add_argument("length", nargs="?", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    p.add_argument("--long", action="store_true", help="also a 32k-token prompt (prefill)")
+    p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (prefill)")
+    p.add_argument("--kernel-length", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=2, help="timed calls per kernel (kernel)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds (workload)")
+    p.add_argument("--skip-lesson14", action="store_true", help="prefill: lesson 15 only")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    if args.what == "_one":
+        print(json.dumps(one_prefill(args.engine, args.length, args.budget)))
+        return
+    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
+    if args.what == "kernel":
+        kernel_vs_sdpa(args.kernel_length, args.reps)
+    elif args.what == "prefill":
+        prefill(args.lengths + ([32768] if args.long else []), args.budget, args.threads, args.skip_lesson14)
+    else:
+        run_workload(args.rounds, args.seed)
+
+
+if __name__ == "__main__":
+    main()
