@@ -1,7 +1,8 @@
 """Lesson 15 against lesson 14 on the Qwen3-0.6B shape (random weights, bf16), three measurements.
 
-    python step15_flash_attention/bench.py kernel      # one layer's attention, one causal 8k sequence:
-                                                        # our C++ kernel vs torch's CPU flash SDPA
+    python step15_flash_attention/bench.py kernel      # a core's float32 / bf16 ceilings; then one layer's
+                                                        # attention, one causal 8k sequence: our C++
+                                                        # kernel vs torch's CPU flash SDPA
     python step15_flash_attention/bench.py prefill     # one long prompt (2k, 8k, 16k; --lengths, --long
                                                         # adds 32k) chunked at 512 tokens a step:
                                                         # wall time, prefill tok/s, peak memory
@@ -48,6 +49,32 @@ def reset_peak_rss() -> int:
 
 def peak_rss() -> int:
     return _status_kib("VmHWM") * 1024
+
+
+def core_peaks() -> tuple[float, float]:
+    """GFLOP/s of one core: float32 FMAs and bf16 dot products (-1: no AVX512-BF16), from peak.cpp."""
+    import ctypes
+    from pathlib import Path
+    from step14_batched_forward.kernel import build_library
+    lib = build_library(Path(__file__).with_name("peak.cpp"))
+    for name in ("peak_fp32_fma_gflops", "peak_bf16_dot_gflops"):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_double, [ctypes.c_int64]
+    return lib.peak_fp32_fma_gflops(20_000_000), lib.peak_bf16_dot_gflops(20_000_000)
+
+
+def linear_rates(rows: int = 512) -> None:
+    """The same gap in torch: a 1024 -> 3072 linear over `rows` tokens, float32 vs bf16."""
+    from step14_batched_forward.packed_linear import PackedLinear
+    x, lin = torch.randn(rows, 1024), torch.nn.Linear(1024, 3072, bias=False)
+    packed, xb = PackedLinear(torch.nn.Linear(1024, 3072, bias=False).bfloat16()), x.bfloat16()
+    for name, fn in [("float32 F.linear", lambda: lin(x)), ("bf16 F.linear", lambda: F.linear(xb, lin.weight.bfloat16())),
+                     ("bf16 oneDNN-packed (lesson 14)", lambda: packed(xb))]:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        secs = (time.perf_counter() - t0) / 10
+        print(f"  {name:32s} {secs * 1e3:6.2f} ms  {2 * rows * 1024 * 3072 / secs / 1e9:6.1f} GFLOP/s")
 
 
 def kernel_vs_sdpa(length: int, reps: int) -> None:
@@ -178,6 +205,12 @@ def main() -> None:
         return
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
     if args.what == "kernel":
+        fma, dot = core_peaks()
+        print(f"one core's ceiling: float32 FMA {fma:.0f} GFLOP/s, bf16 dot product (vdpbf16ps) "
+              + (f"{dot:.0f} GFLOP/s" if dot > 0 else "not available") + f"; {torch.get_num_threads()} threads")
+        print(f"a 1024 -> 3072 linear over 512 tokens:")
+        linear_rates()
+        print()
         kernel_vs_sdpa(args.kernel_length, args.reps)
     elif args.what == "prefill":
         prefill(args.lengths + ([32768] if args.long else []), args.budget, args.threads, args.skip_lesson14)
