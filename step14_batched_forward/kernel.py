@@ -74,15 +74,25 @@ def build_library(source: Path, include_dirs: tuple[Path, ...] = ()) -> ctypes.C
     return ctypes.CDLL(str(target))
 
 
-@lru_cache(maxsize=None)
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, building it on first use; None if it cannot be built or is disabled."""
+def build_or_warn(source: Path, what: str, include_dirs: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
+    """`build_library`, or None with a warning naming `what` the caller falls back to.
+
+    MINIVLLM_KERNEL=0 disables every kernel of the tutorial (the torch paths run instead).
+    """
     if os.environ.get("MINIVLLM_KERNEL", "1") == "0":
         return None
     try:
-        lib = build_library(SOURCE)
+        return build_library(source, include_dirs)
     except (RuntimeError, OSError) as e:
-        warnings.warn(f"paged decode kernel unavailable, using the slower gather path: {e}")
+        warnings.warn(f"{what}: {e}")
+        return None
+
+
+@lru_cache(maxsize=None)
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use; None if it cannot be built or is disabled."""
+    lib = build_or_warn(SOURCE, "paged decode kernel unavailable, using the slower gather path")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _FUNCS.values():

@@ -8,8 +8,6 @@ falls back to lesson 15's torch path (see attention.py).
 from __future__ import annotations
 
 import ctypes
-import os
-import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,12 +23,9 @@ _FUNCS = {torch.bfloat16: "flash_attention_bf16", torch.float32: "flash_attentio
 
 @lru_cache(maxsize=None)
 def load() -> ctypes.CDLL | None:
-    if os.environ.get("MINIVLLM_KERNEL", "1") == "0":
-        return None
-    try:
-        lib = lesson14_kernel.build_library(SOURCE, (lesson14_kernel.SOURCE.parent,))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"flash attention kernel unavailable, using the torch path: {e}")
+    lib = lesson14_kernel.build_or_warn(SOURCE, "flash attention kernel unavailable, using the torch path",
+                                        (lesson14_kernel.SOURCE.parent,))
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _FUNCS.values():
