@@ -88,10 +88,10 @@ class LLMEngine:
             if start + n == seq.num_tokens:          # prompt done (or a decode): sample its next token
                 last_rows.append(off - 1)
                 sampled.append(seq)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.make_backend(batch))
+        hidden = self.run_model(batch, torch.tensor(ids), torch.tensor(positions))
         tokens: list[int] = []
         if sampled:
-            logits = self.model.compute_logits(hidden[torch.tensor(last_rows)])
+            logits = self.compute_logits(hidden[torch.tensor(last_rows)])
             tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled]).tolist()
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
@@ -105,6 +105,13 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
         self.num_steps += 1
         return sampled
+
+    def run_model(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """The step's forward pass, [T] -> [T, hidden]; lesson 16 runs decode steps another way."""
+        return self.model(input_ids, positions, self.make_backend(batch))
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.model.compute_logits(hidden)
 
     # ---- where K/V live: the part lesson 12 replaces ---------------------------------------
     def prepare_kv(self, batch: ScheduledBatch) -> None:

@@ -1,0 +1,186 @@
+"""Lesson 16 measured on the Qwen3-0.6B shape (random weights, bf16): three measurements.
+
+    python step16_cuda_graph/bench.py step       # one decode step's latency at batch 1, 8, 64
+                                                  # (context ~360): lesson 15, eager with the packed
+                                                  # head, and compiled; plus the cold/warm record time
+    python step16_cuda_graph/bench.py batch1     # batch-1 decode tok/s (128-token prompt): ours eager
+                                                  # and compiled, HF generate, vLLM-CPU, the floor
+    python step16_cuda_graph/bench.py workload   # lesson 14's bench workload: lessons 14, 15, 16 and
+                                                  # vLLM-CPU, alternating
+
+vLLM-CPU runs only where `make compare-vllm` built its venv (.venv-vllm); each of its runs is a
+subprocess of this script (vllm_bench.py), so its figures come from the same session.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from minivllm_support.cli import machine
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, run_engine, workload
+from step14_batched_forward.engine import BatchedEngine
+from step15_flash_attention.engine import FlashEngine
+from step16_cuda_graph.engine import GraphEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VARIANTS = {
+    "lesson 15": (FlashEngine, {}),
+    "eager + packed head": (GraphEngine, {"use_graph": False}),
+    "compiled (lesson 16)": (GraphEngine, {}),
+}
+
+
+def make_engine(model, cls, options, max_num_seqs: int = 64, kv_gib: float = 3.5):
+    config = PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                                  kv_cache_bytes=int(kv_gib * 2**30))
+    t0 = time.perf_counter()
+    engine = cls(model, config, **options)
+    return engine, time.perf_counter() - t0
+
+
+def decode_step_ms(engine, batch: int, context: int, steps: int, seed: int = 0) -> float:
+    """Milliseconds per decode-only step of `batch` sequences with about `context` tokens each."""
+    rng = random.Random(seed)
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    # Prompts share all but their last 8 tokens: the first computes the prefix, the others hit the
+    # prefix cache (lesson 13), so setting up 64 x 360 tokens costs one prefill. Each sequence still
+    # reads all its keys in every decode step: the step's work is as with distinct prompts.
+    prefix = [rng.randrange(1000, vocab - 1000) for _ in range(context - 8)]
+    seqs: list = []
+    for group in (1, batch - 1):
+        seqs += [engine.add_request(prefix + [rng.randrange(1000, vocab - 1000) for _ in range(8)], params)
+                 for _ in range(group)]
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
+            engine.step()                              # prefill, and each prompt's first token
+    engine.step()                                      # one decode step untimed (first touch)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def weight_floor(model) -> tuple[float, float, float]:
+    """Bytes one decode step must read (every weight once; the embedding only as the LM head),
+    the machine's read bandwidth (sum over 2 GiB, as lesson 14's microbench), and their ratio."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    big = torch.ones(2**30, dtype=torch.bfloat16)
+    big.sum()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        big.sum()
+    bandwidth = 3 * big.numel() * 2 / (time.perf_counter() - t0)
+    return nbytes, bandwidth, bandwidth / nbytes
+
+
+def vllm(what: str, seed: int) -> dict | None:
+    if not VLLM_PYTHON.exists():
+        return None
+    res = subprocess.run([str(VLLM_PYTHON), str(ROOT / "step16_cuda_graph" / "vllm_bench.py"), "--what", what,
+                          "--seed", str(seed), "--json"], capture_output=True, text=True, cwd=ROOT)
+    if res.returncode:
+        print(f"vLLM-CPU failed:\n{res.stderr[-1500:]}")
+        return None
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_step(model, batches: list[int], context: int) -> None:
+    print(f"one decode step, context ~{context} tokens, max_num_seqs=64 (buckets 1, 2, 4, 8, 16, 32, 48, 64)")
+    print(f"{'batch':>5} " + " ".join(f"{name:>22}" for name in VARIANTS) + "   compiled / eager")
+    for b in batches:
+        row = {}
+        for name, (cls, options) in VARIANTS.items():
+            engine, build_secs = make_engine(model, cls, options)
+            if getattr(engine, "runner", None) is not None and b == batches[0]:
+                print(f"      (engine built in {build_secs:.1f} s, of which recording 8 buckets "
+                      f"{engine.record_seconds:.1f} s)")
+            row[name] = decode_step_ms(engine, b, context, steps=max(8, 64 // b))
+            del engine
+        ratio = row["eager + packed head"] / row["compiled (lesson 16)"]
+        print(f"{b:5d} " + " ".join(f"{ms:19.1f} ms" for ms in row.values()) + f"   {ratio:.2f}x faster")
+
+
+def run_batch1(model, seed: int) -> None:
+    nbytes, bandwidth, floor = weight_floor(model)
+    print(f"batch 1, a 128-token prompt, decode tok/s (each: 64 steps after the first token)")
+    for name, (cls, options) in VARIANTS.items():
+        engine, _ = make_engine(model, cls, options)
+        print(f"  {name:26s} {1e3 / decode_step_ms(engine, 1, 128, 64, seed):6.1f} tok/s")
+        del engine
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(random_qwen3_06b()), dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[random.Random(seed).randrange(1000, 150000) for _ in range(128)]])
+    timed = []
+    for n in (1, 65):
+        t0 = time.perf_counter()
+        hf.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        timed.append(time.perf_counter() - t0)
+    print(f"  {'HF generate':26s} {64 / (timed[1] - timed[0]):6.1f} tok/s  (65 tokens minus 1 token)")
+    del hf
+    v = vllm("batch1", seed)
+    if v:
+        print(f"  {'vLLM-CPU ' + v['vllm_version']:26s} {v['batch1_tok_s']:6.1f} tok/s")
+    print(f"  {'floor: weights / bandwidth':26s} {floor:6.1f} tok/s  ({nbytes / 1e9:.2f} GB a step at "
+          f"{bandwidth / 1e9:.1f} GB/s)")
+
+
+def run_workload(model, rounds: int, seed: int) -> None:
+    prompts, outs = workload(64, seed, QWEN3_06B_SHAPE["vocab_size"])
+    print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"outputs {min(outs)}-{max(outs)} (sum {sum(outs)}), ignore_eos; max_num_seqs=64, "
+          f"max_num_batched_tokens=512; runs alternate\n")
+    engines = {"14": (BatchedEngine, {}), "15": (FlashEngine, {}), "16": (GraphEngine, {})}
+    best: dict[str, float] = {}
+    for r in range(rounds):
+        for name, (cls, options) in engines.items():
+            secs, prefill_secs, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30, engine_class=cls,
+                                                    **options)
+            best[name] = max(best.get(name, 0.0), sum(outs) / secs)
+            print(f"round {r + 1}, lesson {name}: {secs:6.1f} s, {sum(outs) / secs:6.1f} output tok/s, "
+                  f"{prefill_secs:5.1f} s in steps with prompt tokens, {engine.num_steps} steps", flush=True)
+            del engine
+        v = vllm("workload", seed)
+        if v:
+            best["vLLM"] = max(best.get("vLLM", 0.0), v["workload_tok_s"])
+            print(f"round {r + 1}, vLLM-CPU {v['vllm_version']}: {v['workload_secs']:6.1f} s, "
+                  f"{v['workload_tok_s']:6.1f} output tok/s", flush=True)
+    print(f"\nbest of {rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()) + " output tok/s")
+    if "vLLM" in best:
+        print(f"lesson 16 / vLLM-CPU = {best['16'] / best['vLLM']:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["step", "batch1", "workload"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--context", type=int, default=360)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
+    from step04_transformer.loader import load_model
+    model = load_model(random_qwen3_06b(), torch.bfloat16)
+    if args.what == "step":
+        run_step(model, args.batches, args.context)
+    elif args.what == "batch1":
+        run_batch1(model, args.seed)
+    else:
+        run_workload(model, args.rounds, args.seed)
+    print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

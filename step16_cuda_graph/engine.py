@@ -1,0 +1,63 @@
+"""Lesson 15's engine with a graph runner for decode steps and a packed LM head.
+
+What changes against lesson 15:
+  - decode-only steps of up to max_num_seqs sequences go through GraphRunner (runner.py):
+    padded to a bucket, run by a CUDA graph (GPU) or by the compiled layer body (CPU);
+  - one KV block is taken from the block manager for good: the scratch block padded rows
+    write to, so no padding ever touches a live sequence's K/V;
+  - the tied LM head gets its own oneDNN-packed copy of the embedding matrix (bf16), like
+    the other linears since lesson 14: one more copy of vocab x hidden weights in memory,
+    one read of them per step instead of a reorder and a read.
+`use_graph=False` is lesson 15's engine, with the packed head.
+"""
+from __future__ import annotations
+
+
+import torch
+from torch import Tensor, nn
+
+from step09_continuous_batching.scheduler import ScheduledBatch
+from step14_batched_forward.packed_linear import PackedLinear, can_pack
+from step15_flash_attention.engine import FlashEngine
+from step16_cuda_graph.ops import route_packed_linears
+from step16_cuda_graph.runner import GraphRunner, compile_works
+
+
+def packed_lm_head(model) -> PackedLinear | None:
+    """A packed copy of the (tied or own) LM head weight, or None where packing does not apply."""
+    weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    if not can_pack(weight.dtype) or weight.device.type != "cpu":
+        return None
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    head.weight = weight                 # shared, not copied: only the packed layout is new
+    return PackedLinear(head)
+
+
+class GraphEngine(FlashEngine):
+    def __init__(self, model, scheduler=None, *args, use_graph: bool = True, record_now: bool = True,
+                 max_bucket: int | None = None, **kwargs):
+        """max_bucket: the largest batch recorded (default max_num_seqs; vLLM's max_cudagraph_capture_size)."""
+        super().__init__(model, scheduler, *args, **kwargs)
+        self.lm_head = packed_lm_head(model)
+        self.runner: GraphRunner | None = None
+        self.record_seconds = 0.0
+        on_cuda = self.kv_pool.k[0].device.type == "cuda"
+        if use_graph and (on_cuda or (self.attention.name == "cpu" and compile_works())):
+            route_packed_linears(model)           # packed linears through the custom op
+            # Never handed to a sequence: padded rows of a bucket write their K/V here.
+            scratch = self.scheduler.block_manager._take_free_block()
+            self.runner = GraphRunner(model, self.kv_pool, self.attention,
+                                      max_bucket or self.scheduler.config.max_num_seqs, scratch)
+            if record_now:
+                self.record_seconds = self.runner.record_all()
+
+    def run_model(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor) -> Tensor:
+        bucket = self.runner.bucket_for(batch) if self.runner else None
+        if bucket is None:
+            return super().run_model(batch, input_ids, positions)
+        return self.runner.run(batch, bucket)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        if self.lm_head is None:
+            return super().compute_logits(hidden)
+        return self.lm_head(hidden).float()

@@ -1,0 +1,80 @@
+"""Our kernels as PyTorch custom ops, so torch.compile calls them instead of tracing into them.
+
+A compiler can only fuse what it can see. torch.compile traces Python into a graph of
+PyTorch ops; two of our layers are not PyTorch ops it understands:
+
+    the paged attention kernel   a C function called through ctypes (lesson 15): not traceable
+    the packed linear            oneDNN's blocked weight (lesson 14): inductor's own lowering
+                                 of `mkldnn._linear_pointwise` rejects it as a graph input
+
+Registered with `torch.library.custom_op`, each becomes one opaque node: the compiler fuses the
+element-wise work around it and calls our function where the node stands. The "fake"
+implementation tells it the output's shape and dtype without running anything.
+
+The attention op also writes the step's K/V into the pool, and says so (`mutates_args`): the
+compiler then keeps the write in order and never copies the pool to stay "functional".
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from step14_batched_forward.packed_linear import PackedLinear
+from step15_flash_attention.flash_cpu import flash_attention_cpu
+
+
+@torch.library.custom_op("minivllm::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
+                    cu_seqlens_q: Tensor, seq_lens: Tensor, block_tables: Tensor) -> Tensor:
+    """Write k/v [T, Hkv, D] at `rows` of the head-major pool, then lesson 15's kernel.
+
+    The runner checked the metadata once for the step (a check here would run every layer).
+    """
+    D = k.shape[-1]
+    k_cache.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
+    v_cache.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
+    return flash_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, check=False)
+
+
+@paged_attention.register_fake
+def _(q, k, v, k_cache, v_cache, rows, cu_seqlens_q, seq_lens, block_tables):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("minivllm::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, packed_weight: Tensor, out_features: int) -> Tensor:
+    """x [N, in] @ W^T with W in oneDNN's blocked layout (lesson 14)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed_weight, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+class OpPackedLinear(PackedLinear):
+    """Lesson 14's PackedLinear, called through the custom op (same weights, same numbers)."""
+
+    def __init__(self, packed: PackedLinear):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.packed, self.bias = packed.packed, packed.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.compiler.is_compiling():
+            return super().forward(x)      # eager: skip the op's dispatch cost (~us per call)
+        y = packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def route_packed_linears(model: torch.nn.Module) -> int:
+    """Swap every PackedLinear of `model` for an OpPackedLinear sharing its weight; returns how many."""
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is PackedLinear:
+                setattr(parent, name, OpPackedLinear(child))
+                done += 1
+    return done

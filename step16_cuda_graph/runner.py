@@ -1,0 +1,231 @@
+"""The decode runner: one batch-size bucket, static buffers, and a step that is recorded once.
+
+A decode step of B sequences is the same program every time: B token ids in, B rows of
+hidden state out, the same kernels in the same order. Only the numbers in a few small tensors
+change. So the runner records that program once per bucket and replays it:
+
+    batch of 5 decodes --pad--> bucket 8     static buffers (sized for the largest bucket)
+                                             input_ids   [t0 t1 t2 t3 t4 0 0 0]
+                                             positions   [p0 p1 p2 p3 p4 0 0 0]
+                                             rows        where each token's K/V go; pads -> the
+                                                         scratch block, never a live one
+                                             cu_seqlens  [0 1 2 3 4 5 6 7 8]
+                                             seq_lens    [l0 l1 l2 l3 l4 1 1 1]
+                                             block_tables[5 tables ...  scratch rows]
+                                 replay the bucket-8 program, read rows 0..4 of its output
+
+    CUDA   the program is a CUDA graph: every kernel launch of the step, recorded with its
+           addresses. Replaying costs one launch, so the buffers must stay at the same
+           addresses (hence "static"), shapes cannot change (hence buckets), and nothing in it
+           may wait for the CPU (no .item(), no checks: they run before, on the host).
+    CPU    there is no launch cost to save, but there is per-op dispatch in Python and one pass
+           over memory per element-wise op. The program is each layer's body compiled by
+           torch.compile (inductor writes C++ for the fused element-wise chains), with static
+           shapes per bucket; the attention kernel and packed linears stay our own code,
+           called through custom ops (ops.py). All layers share one compiled body.
+
+Prefill steps, mixed steps and batches above the largest bucket run eagerly, as before.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from minivllm_support.models import cache_dir
+from step09_continuous_batching.scheduler import ScheduledBatch
+from step14_batched_forward.kv_pool import HeadMajorKVPool
+from step15_flash_attention.backends import AttentionBackend
+from step15_flash_attention.flash_cpu import check_inputs
+
+# Inductor keeps the C++ it compiled on disk, keyed by the graph: a second start skips the compiler.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 (nano-vllm's choice), ending at max_num_seqs."""
+    base = [1, 2, 4, 8] + list(range(16, max_num_seqs, 16))
+    return [b for b in base if b < max_num_seqs] + [max_num_seqs]
+
+
+@dataclass
+class StaticInputs:
+    """The decode step's inputs, sized for the largest bucket; a bucket uses the first rows."""
+    input_ids: Tensor     # [Bmax]
+    positions: Tensor     # [Bmax]
+    slot_mapping: Tensor  # [Bmax] token slots (for token-major pools)
+    rows: Tensor          # [Bmax * Hkv] (token, head) rows of a head-major pool
+    cu_seqlens_q: Tensor  # [Bmax + 1] = 0, 1, 2, ...: one query per sequence
+    seq_lens: Tensor      # [Bmax]
+    block_tables: Tensor  # [Bmax, max_blocks_per_seq]
+
+    @classmethod
+    def allocate(cls, max_batch: int, num_kv_heads: int, max_blocks: int, device) -> "StaticInputs":
+        z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)
+        return cls(z(max_batch), z(max_batch), z(max_batch), z(max_batch * num_kv_heads),
+                   torch.arange(max_batch + 1, device=device), z(max_batch), z(max_batch, max_blocks))
+
+
+class StaticAttention:
+    """The attention backend of one layer inside a recorded step: reads only static buffers.
+
+    It ignores the layer index it is called with (it holds its own layer's pool tensors), so
+    the compiler sees every layer as the same program and compiles the body once.
+    """
+
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, s: StaticInputs, b: int, hkv: int,
+                 head_major: bool, kernel=None):
+        self.k_cache, self.v_cache, self.kernel, self.head_major = k_cache, v_cache, kernel, head_major
+        self.slot_mapping, self.rows = s.slot_mapping[:b], s.rows[:b * hkv]
+        self.cu, self.lens, self.tables = s.cu_seqlens_q[:b + 1], s.seq_lens[:b], s.block_tables[:b]
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.kernel is None:      # CPU: one custom op, opaque to the compiler (ops.py)
+            return torch.ops.minivllm.paged_attention(q, k, v, self.k_cache, self.v_cache, self.rows,
+                                                      self.cu, self.lens, self.tables)
+        # CUDA: plain kernel launches, recorded into the graph like every other op.
+        if self.head_major:
+            D = k.shape[-1]
+            self.k_cache.view(-1, D).index_copy_(0, self.rows, k.reshape(-1, D))
+            self.v_cache.view(-1, D).index_copy_(0, self.rows, v.reshape(-1, D))
+        else:                        # token-major pool (flash-attn)
+            self.k_cache.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
+            self.v_cache.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
+        return self.kernel(q, self.k_cache, self.v_cache, self.cu, self.lens, self.tables, check=False)
+
+
+def _layer_body(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, attention: StaticAttention) -> Tensor:
+    return layer(x, cos, sin, attention)
+
+
+class GraphRunner:
+    """Runs decode-only steps of up to max_batch sequences through recorded per-bucket programs."""
+
+    def __init__(self, model, pool, backend: AttentionBackend, max_batch: int, scratch_block: int):
+        self.model, self.pool, self.backend = model, pool, backend
+        self.device = next(model.parameters()).device
+        self.mode = "cuda-graph" if self.device.type == "cuda" else "compile"
+        cfg = model.config
+        self.buckets = batch_buckets(max_batch)
+        self.scratch_block = scratch_block
+        self.head_major = isinstance(pool, HeadMajorKVPool)
+        max_blocks = -(-cfg.max_position_embeddings // pool.block_size)
+        self.static = StaticInputs.allocate(self.buckets[-1], cfg.num_kv_heads, max_blocks, self.device)
+        kernel = backend.kernel if self.mode == "cuda-graph" else None
+        self.layer_attention = {b: [StaticAttention(pool.k[i], pool.v[i], self.static, b, cfg.num_kv_heads,
+                                                    self.head_major, kernel)
+                                    for i in range(cfg.num_layers)] for b in self.buckets}
+        self.layer_body = _layer_body
+        if self.mode == "compile":
+            # Round every bf16 intermediate as eager PyTorch does, so compiled tokens equal eager ones.
+            torch._inductor.config.emulate_precision_casts = True
+            cfg_dynamo = torch._dynamo.config       # one compiled body per bucket, plus slack
+            cfg_dynamo.recompile_limit = max(cfg_dynamo.recompile_limit, 64)   # one per bucket and pool shape
+            self.layer_body = torch.compile(_layer_body, dynamic=False)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graph_pool = None
+        self.ready: set[int] = set()
+        self.replays: Counter[int] = Counter()   # steps run per bucket
+
+    # ---- which steps ------------------------------------------------------------------------
+    def bucket_for(self, batch: ScheduledBatch) -> int | None:
+        """The bucket of a decode-only step, or None if it runs eagerly."""
+        B = len(batch.seqs)
+        if B == 0 or B > self.buckets[-1] or any(n != 1 for n in batch.num_tokens):
+            return None
+        return next(b for b in self.buckets if b >= B)
+
+    # ---- filling the static buffers ----------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch, b: int) -> None:
+        s, bs, B = self.static, self.pool.block_size, len(batch.seqs)
+        pos = [seq.num_computed_tokens for seq in batch.seqs]
+        if max(pos) >= self.model.config.max_position_embeddings:
+            raise ValueError(f"position {max(pos)} exceeds max_position_embeddings")
+        slots = [seq.kv[p // bs] * bs + p % bs for seq, p in zip(batch.seqs, pos)]
+        pad = b - B                                   # pads: token 0 at position 0 of the scratch block
+        host = lambda xs: torch.tensor(xs, dtype=torch.long)
+        s.input_ids[:b].copy_(host([seq.token_ids[p] for seq, p in zip(batch.seqs, pos)] + [0] * pad))
+        s.positions[:b].copy_(host(pos + [0] * pad))
+        s.seq_lens[:b].copy_(host([p + 1 for p in pos] + [1] * pad))
+        slot_mapping = host(slots + [self.scratch_block * bs] * pad)
+        s.slot_mapping[:b].copy_(slot_mapping)
+        if self.head_major:
+            s.rows[:b * self.pool.num_kv_heads].copy_(self.pool.head_rows(slot_mapping))
+        for i, seq in enumerate(batch.seqs):          # columns past a sequence's length are never read
+            n = -(-(pos[i] + 1) // bs)
+            s.block_tables[i, :n].copy_(host(seq.kv[:n]))
+        s.block_tables[B:b, 0] = self.scratch_block
+        if self.head_major:   # the checks lesson 15's kernel makes, once a step, before any replay
+            cfg = self.model.config
+            q = torch.empty(b, cfg.num_heads, cfg.head_dim, dtype=self.pool.k[0].dtype, device=self.device)
+            check_inputs(q, self.pool.k[0], self.pool.v[0], s.cu_seqlens_q[:b + 1], s.seq_lens[:b],
+                         s.block_tables[:b], {q.dtype})
+
+    # ---- the recorded step -----------------------------------------------------------------
+    def forward(self, b: int) -> Tensor:
+        """The decode step of bucket b on the static buffers: [b] ids -> [b, hidden]."""
+        m, s = self.model, self.static
+        x = m.model.embed_tokens(s.input_ids[:b])
+        pos = s.positions[:b]           # in range: checked in prepare (no host sync in here)
+        cos, sin = m.rotary.cos[pos][:, None, :], m.rotary.sin[pos][:, None, :]
+        for layer, attention in zip(m.model.layers, self.layer_attention[b]):
+            x = self.layer_body(layer, x, cos, sin, attention)
+        return m.model.norm(x)
+
+    @torch.inference_mode()
+    def record(self, b: int) -> None:
+        """Compile (CPU) or capture (CUDA) bucket b, on a step of pads only."""
+        s = self.static
+        s.seq_lens[:b] = 1                        # a harmless step: every row a pad
+        s.block_tables[:b, 0] = self.scratch_block
+        s.slot_mapping[:b] = self.scratch_block * self.pool.block_size
+        if self.head_major:
+            s.rows[:b * self.pool.num_kv_heads].copy_(self.pool.head_rows(s.slot_mapping[:b]))
+        if self.mode == "cuda-graph":
+            self.forward(b)                       # warm-up: lazy inits and autotuning happen outside
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):   # one memory pool for all buckets
+                out = self.forward(b)
+            self.graph_pool = graph.pool()
+            self.graphs[b] = (graph, out)
+        else:
+            self.forward(b)                       # the first call compiles
+        self.ready.add(b)
+
+    def record_all(self) -> float:
+        """Record every bucket, largest first (its memory pool then fits the smaller ones); seconds."""
+        t0 = time.perf_counter()
+        for b in sorted(self.buckets, reverse=True):
+            if b not in self.ready:
+                self.record(b)
+        return time.perf_counter() - t0
+
+    def run(self, batch: ScheduledBatch, b: int) -> Tensor:
+        """Hidden states [B, hidden] of a decode-only batch that fits bucket b."""
+        with torch.inference_mode():              # the mode it was recorded in (a guard of the compiled code)
+            if b not in self.ready:
+                self.record(b)
+            self.prepare(batch, b)
+            self.replays[b] += 1
+            B = len(batch.seqs)
+            if self.mode == "cuda-graph":
+                graph, out = self.graphs[b]
+                graph.replay()
+                return out[:B]
+            return self.forward(b)[:B]
+
+
+def compile_works() -> bool:
+    """Whether torch.compile can build C++ here (a compiler on PATH); else the runner is not used."""
+    try:
+        fn = torch.compile(lambda x: torch.nn.functional.silu(x) * 2, dynamic=False)
+        return bool(torch.allclose(fn(torch.ones(4)), torch.nn.functional.silu(torch.ones(4)) * 2))
+    except Exception as e:  # noqa: BLE001 - any failure means: run eagerly
+        warnings.warn(f"torch.compile does not work here, decode steps run eagerly: {e}")
+        return False
