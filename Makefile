@@ -43,5 +43,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install --no-deps -e . --config-settings editable_mode=compat
 	touch $(VLLM_STAMP)
 
+# make puts command-line variables in the recipe's environment; vLLM warns about unknown VLLM_* ones.
+unexport VLLM_ARGS
 compare-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python step16_cuda_graph/vllm_bench.py $(VLLM_ARGS)

@@ -8,7 +8,7 @@ from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_mod
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step15_flash_attention.engine import FlashEngine as NewestEngine
+from step16_cuda_graph.engine import GraphEngine as NewestEngine
 
 QUESTIONS = [
     "What is the capital of France?",
