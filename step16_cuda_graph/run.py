@@ -5,7 +5,7 @@ a CUDA graph on a GPU, the layer body compiled by torch.compile on a CPU.
    compiled C++; warm: its on-disk cache had the code from an earlier start);
 2. eight chat requests through lesson 15's engine and lesson 16's: same answers, which buckets
    the decode steps used, wall time;
-3. one decode step's latency at batch 1 and 8 (context ~360 tokens), eager vs compiled.
+3. one decode step's latency at batch 1 and 8 (context ~360 tokens), eager vs compiled, taking turns.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from minivllm_support.models import chat_prompt_ids
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step15_flash_attention.engine import FlashEngine
-from step16_cuda_graph.bench import decode_step_ms
+from step16_cuda_graph.bench import alternate
 from step16_cuda_graph.engine import GraphEngine
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
@@ -67,12 +67,12 @@ def chat(model, tok, engine: GraphEngine, dtype) -> None:
 
 
 def step_latency(model, engine: GraphEngine) -> None:
-    print("\none decode step, context ~360 tokens:")
+    print("\none decode step, context ~360 tokens (eager and compiled take turns, best of 3):")
     eager = GraphEngine(model, config(), use_graph=False)
     for b in (1, 8):
-        e_ms = decode_step_ms(eager, b, 360, 16)
-        c_ms = decode_step_ms(engine, b, 360, 16)
-        print(f"  batch {b}: eager {e_ms:6.1f} ms, compiled {c_ms:6.1f} ms  ({e_ms / c_ms:.2f}x)")
+        best = alternate({"eager": eager, "compiled": engine}, b, 360, 8, rounds=3)
+        print(f"  batch {b}: eager {best['eager']:6.1f} ms, compiled {best['compiled']:6.1f} ms  "
+              f"({best['eager'] / best['compiled']:.2f}x)")
 
 
 def main() -> None:
