@@ -22,7 +22,10 @@ from step16_cuda_graph.runner import GraphRunner, compile_works
 
 
 def packed_lm_head(model) -> PackedLinear | None:
-    """A packed copy of the (tied or own) LM head weight, or None where packing does not apply."""
+    """A packed copy of the (tied or own) LM head weight, or None where packing does not apply
+    (an own head that lesson 14's pack_linears packed already, or lesson 17's parallel head)."""
+    if model.lm_head is not None and type(model.lm_head) is not nn.Linear:
+        return None
     weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     if not can_pack(weight.dtype) or weight.device.type != "cpu":
         return None

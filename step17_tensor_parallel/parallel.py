@@ -1,0 +1,76 @@
+"""The process group and the two collectives tensor parallelism needs, timed.
+
+Every rank holds a slice of every layer. After a row-parallel linear each rank has a partial
+sum of the full output, so the ranks add their partials together (all-reduce, sum); after the
+parallel LM head each rank has the logits of its part of the vocabulary, and rank 0, the one
+that samples, collects them (gather). Nothing else is ever sent between ranks during a step.
+
+gloo carries the collectives between CPU processes over TCP; NCCL does it between GPUs. The
+calls are the same, only the backend name changes.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class CommStats:
+    """What this process spent in collectives: the README's "time in all-reduce" comes from here."""
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+    def reset(self) -> None:
+        self.calls, self.seconds, self.bytes = 0, 0.0, 0
+
+
+COMM = CommStats()
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def make_store(rank: int, world: int, port: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 hosts the rendezvous store (port 0: the OS picks a free one, read back from .port)."""
+    return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_group(store: dist.TCPStore, rank: int, world: int, timeout_s: float, device_type: str = "cpu") -> None:
+    """Join the default process group. `timeout_s` bounds every collective: a rank that stops
+    answering turns into an error on the others after that long, never into a hang."""
+    dist.init_process_group(backend_for(device_type), store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def close_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(x: Tensor) -> Tensor:
+    """Sum `x` over all ranks, in place; every rank gets the same bits back."""
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    COMM.seconds += time.perf_counter() - t0
+    COMM.calls += 1
+    COMM.bytes += x.numel() * x.element_size()
+    return x
+
+
+def gather_to_rank0(x: Tensor, world: int) -> list[Tensor] | None:
+    """Every rank's `x` (same shape on all ranks) collected on rank 0; None elsewhere."""
+    t0 = time.perf_counter()
+    parts = [torch.empty_like(x) for _ in range(world)] if dist.get_rank() == 0 else None
+    dist.gather(x, parts, dst=0)
+    COMM.seconds += time.perf_counter() - t0
+    COMM.calls += 1
+    COMM.bytes += x.numel() * x.element_size()
+    return parts
