@@ -174,7 +174,9 @@ class TPEngine(GraphEngine):
             except (EOFError, OSError):
                 pass
             proc.join(0.5)
-            if proc.exitcode is not None:
+            if proc.exitcode is None:
+                lines.append(f"rank {i + 1}: still running but not answering (stopped now)")
+            elif proc.exitcode:
                 how = (f"killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}")
                 lines.append(f"rank {i + 1}: process ended ({how})")
         return "\n".join(lines)
@@ -182,19 +184,20 @@ class TPEngine(GraphEngine):
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' account if they have one."""
         report = self._worker_report() if self.workers else ""
-        self.close()
+        self.close(wait_s=1.0)
         if isinstance(error, KeyboardInterrupt) or not (report or isinstance(error, WorkerFailed)):
             return error                    # rank 0's own error (or Ctrl-C): raise it as it is
         return WorkerFailed(f"tensor-parallel step failed on rank 0 with: {error}\n"
                             f"worker report:\n{report or '(none)'}")
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
         """Stop the workers, leave the process group, restore rank 0's thread count. Idempotent."""
         if self.closed:
             return
         self.closed = True
         if self.workers:
-            self._finalizer()                # _shutdown, once
+            self._finalizer.detach()
+            _shutdown(self.workers, self.conns, wait_s)
         parallel.close_group()
         torch.set_num_threads(self._threads_before)
 
