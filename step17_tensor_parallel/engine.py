@@ -21,6 +21,7 @@ WorkerFailed. The engine is then closed; make a new one.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -31,13 +32,24 @@ import torch.multiprocessing as mp
 from minivllm_support.models import check_model_dir
 from step04_transformer.config import ModelConfig
 from step04_transformer.loader import load_model
-from step09_continuous_batching.scheduler import ScheduledBatch
+from step09_continuous_batching.scheduler import ScheduledBatch, SchedulerConfig
 from step16_cuda_graph.engine import GraphEngine
 from step17_tensor_parallel import parallel
 from step17_tensor_parallel.loader import load_tp_model
 from step17_tensor_parallel.metadata import StepMetadata
 from step17_tensor_parallel.model import check_tp_shapes
+from step17_tensor_parallel.shm_allreduce import ShmAllReduce, create_file, shm_supported
 from step17_tensor_parallel.worker import WorkerSpec, model_bytes, worker_main
+
+
+# All-reduces of up to this many tokens (every decode step, small prefill chunks) go through
+# shared memory; bigger ones through gloo, whose fixed cost is small next to their compute.
+SHM_MAX_TOKENS = 256
+
+
+def _max_batched_tokens(scheduler) -> int:
+    config = getattr(scheduler, "config", scheduler) or SchedulerConfig()
+    return config.max_num_batched_tokens
 
 
 class WorkerFailed(RuntimeError):
@@ -74,20 +86,37 @@ def _shutdown(procs: list, conns: list[Connection], wait_s: float = 5.0) -> None
         conn.close()
 
 
+def _release(procs: list, conns: list[Connection], shm_path: str | None, threads: int,
+             wait_s: float = 5.0) -> None:
+    """Everything an engine holds outside its own objects: processes, the group, a shm file."""
+    _shutdown(procs, conns, wait_s)
+    if shm_path and os.path.exists(shm_path):
+        os.unlink(shm_path)
+    parallel.close_group()
+    torch.set_num_threads(threads)
+
+
 class TPEngine(GraphEngine):
     def __init__(self, model: str | Path, scheduler=None, *, tensor_parallel_size: int = 1,
                  dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None,
-                 timeout_s: float = 60.0, **kwargs):
+                 timeout_s: float = 60.0, all_reduce: str = "auto", **kwargs):
         """model: a checkpoint folder (each rank loads its own slices of it).
 
         threads_per_rank: torch threads of each rank (default: the cores shared out evenly;
         rank 0's setting is restored by close()). timeout_s: how long a collective may wait
-        for a silent rank before it fails.
+        for a silent rank before it fails. all_reduce: "gloo" (the process group), "shm"
+        (shared memory, x86-64 CPUs) or "auto" (shm where it works, else gloo).
         """
         folder = check_model_dir(Path(model))
         tp = tensor_parallel_size
         check_tp_shapes(ModelConfig.from_pretrained(folder), tp)   # before any process starts
+        if all_reduce not in ("auto", "gloo", "shm"):
+            raise ValueError(f"all_reduce must be 'auto', 'gloo' or 'shm', got {all_reduce!r}")
+        if all_reduce == "shm" and not shm_supported():
+            raise ValueError("all_reduce='shm' needs an x86-64 machine with /dev/shm; use 'gloo'")
         self.tp, self.timeout_s, self.closed = tp, timeout_s, False
+        self.all_reduce = "none" if tp == 1 else "gloo" if all_reduce == "gloo" or not shm_supported() else "shm"
+        self.shm_path: str | None = None
         self.workers: list = []
         self.conns: list[Connection] = []
         self._threads_before = torch.get_num_threads()
@@ -99,21 +128,35 @@ class TPEngine(GraphEngine):
             super().__init__(full, scheduler, **kwargs)
             self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
             return
+        shm_elems = min(_max_batched_tokens(scheduler), SHM_MAX_TOKENS) * ModelConfig.from_pretrained(folder).hidden_size
+        if self.all_reduce == "shm":
+            try:
+                self.shm_path = create_file(tp, shm_elems)
+            except OSError as e:
+                warnings.warn(f"no room for the shared-memory all-reduce ({e}); using gloo")
+                self.all_reduce = "gloo"
         store = parallel.make_store(0, tp, 0, timeout_s)
         ctx = mp.get_context("spawn")          # fresh interpreters: no forked torch thread pools
         for rank in range(1, tp):
             parent, child = ctx.Pipe()
             spec = WorkerSpec(str(folder), rank, tp, store.port, dtype, threads, timeout_s,
-                              kwargs.get("pack_weights", True))
+                              kwargs.get("pack_weights", True), self.shm_path, shm_elems)
             proc = ctx.Process(target=worker_main, args=(spec, child), name=f"tp-rank-{rank}", daemon=True)
             proc.start()
             child.close()
             self.workers.append(proc)
             self.conns.append(parent)
-        # Runs at close(), at garbage collection or at interpreter exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.conns)
+        # Runs at garbage collection or at interpreter exit, unless close() ran first.
+        self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, self.shm_path,
+                                           self._threads_before)
         try:
             parallel.init_group(store, 0, tp, timeout_s)
+            if self.shm_path:
+                workers = self.workers         # not self: the communicator must not keep the engine alive
+                parallel.use_shared_memory(ShmAllReduce(self.shm_path, 0, tp, shm_elems, timeout_s,
+                                                        lambda: all(p.is_alive() for p in workers)))
+                parallel.barrier()             # every rank has mapped the file ...
+                self._unlink_shm()             # ... so its name can go now
             shard = load_tp_model(folder, 0, tp, dtype)
             self.rank_memory = [{"weight_bytes": model_bytes(shard)}]
             # Graph capture stays off: the recorded step would need the collectives as custom ops
@@ -185,7 +228,9 @@ class TPEngine(GraphEngine):
         """Close everything; return the error to raise: the workers' account if they have one."""
         report = self._worker_report() if self.workers else ""
         self.close(wait_s=1.0)
-        if isinstance(error, KeyboardInterrupt) or not (report or isinstance(error, WorkerFailed)):
+        blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
+            or "Traceback" in report
+        if isinstance(error, KeyboardInterrupt) or not blamed:
             return error                    # rank 0's own error (or Ctrl-C): raise it as it is
         return WorkerFailed(f"tensor-parallel step failed on rank 0 with: {error}\n"
                             f"worker report:\n{report or '(none)'}")
@@ -197,9 +242,11 @@ class TPEngine(GraphEngine):
         self.closed = True
         if self.workers:
             self._finalizer.detach()
-            _shutdown(self.workers, self.conns, wait_s)
-        parallel.close_group()
-        torch.set_num_threads(self._threads_before)
+        _release(self.workers, self.conns, self.shm_path, self._threads_before, wait_s)
+
+    def _unlink_shm(self) -> None:
+        if self.shm_path and os.path.exists(self.shm_path):
+            os.unlink(self.shm_path)
 
     def __enter__(self) -> "TPEngine":
         return self

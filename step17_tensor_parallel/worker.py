@@ -24,6 +24,7 @@ from step15_flash_attention.backends import choose_backend
 from step17_tensor_parallel import parallel
 from step17_tensor_parallel.loader import load_tp_model
 from step17_tensor_parallel.metadata import MetadataAttention, StepMetadata
+from step17_tensor_parallel.shm_allreduce import ShmAllReduce
 
 # Fault injection for the tests and for trying it by hand: "raise@N" makes the last rank raise
 # at its N-th step, "hang@N" makes it stop answering (rank 0 then hits the collective timeout).
@@ -40,6 +41,8 @@ class WorkerSpec:
     threads: int
     timeout_s: float
     pack_weights: bool
+    shm_path: str | None = None      # the shared-memory all-reduce's file, when used
+    shm_elems: int = 0
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -61,6 +64,11 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         torch.set_grad_enabled(False)
         store = parallel.make_store(spec.rank, spec.world, spec.port, spec.timeout_s)
         parallel.init_group(store, spec.rank, spec.world, spec.timeout_s)
+        if spec.shm_path:
+            parent = os.getppid()
+            parallel.use_shared_memory(ShmAllReduce(spec.shm_path, spec.rank, spec.world, spec.shm_elems,
+                                                    spec.timeout_s, lambda: os.getppid() == parent))
+            parallel.barrier()                          # all mapped: rank 0 may unlink the file
         model = load_tp_model(spec.folder, spec.rank, spec.world, spec.dtype)
         weight_bytes = model_bytes(model)
         if spec.pack_weights:

@@ -184,15 +184,17 @@ def _run_twice(engine: TPEngine, prompts, sp) -> list[list[int]]:
     return first
 
 
-def test_tp2_and_tp4_equal_tp1_on_tiny_qwen3(tiny_qwen3_dir, no_leftovers):
+@pytest.mark.parametrize("all_reduce", ["gloo", "shm"])
+def test_tp2_and_tp4_equal_tp1_on_tiny_qwen3(tiny_qwen3_dir, all_reduce, no_leftovers):
     cfg = ModelConfig.from_pretrained(tiny_qwen3_dir)
     prompts = _prompts(cfg.vocab_size, (3, 40, 17, 64, 9), shared=8)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs, stats = {}, {}
     for tp in (1, 2, 4):        # 4 ranks, 2 KV heads: each KV head replicated on 2 ranks
         with TPEngine(tiny_qwen3_dir, _config(cfg, tp, blocks=40, max_num_seqs=4, max_num_batched_tokens=16),
-                      tensor_parallel_size=tp, dtype=torch.float32, use_graph=False) as engine:
+                      tensor_parallel_size=tp, dtype=torch.float32, use_graph=False, all_reduce=all_reduce) as engine:
             assert engine.kv_pool.num_blocks == 40 and len(engine.workers) == tp - 1
+            assert engine.all_reduce == ("none" if tp == 1 else all_reduce)
             outs[tp] = _run_twice(engine, prompts, sp)
             stats[tp] = engine.stats()
     assert outs[2] == outs[1] and outs[4] == outs[1]
@@ -244,8 +246,9 @@ def test_worker_that_raises(tiny_qwen3_dir, monkeypatch, no_leftovers):
     assert "rank 1" in str(error) and "injected fault" in str(error)
 
 
-def test_worker_that_is_killed_mid_run(tiny_qwen3_dir, no_leftovers):
-    engine = _tiny_engine(tiny_qwen3_dir)
+@pytest.mark.parametrize("all_reduce", ["gloo", "shm"])
+def test_worker_that_is_killed_mid_run(tiny_qwen3_dir, all_reduce, no_leftovers):
+    engine = _tiny_engine(tiny_qwen3_dir, all_reduce=all_reduce)
     for _ in range(3):
         engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=5, ignore_eos=True))
     while engine.has_unfinished():
