@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm_support.models import check_model_dir
@@ -109,11 +110,15 @@ class TPEngine(GraphEngine):
         """
         folder = check_model_dir(Path(model))
         tp = tensor_parallel_size
-        check_tp_shapes(ModelConfig.from_pretrained(folder), tp)   # before any process starts
+        cfg = ModelConfig.from_pretrained(folder)
+        check_tp_shapes(cfg, tp)                                    # before any process starts
         if all_reduce not in ("auto", "gloo", "shm"):
             raise ValueError(f"all_reduce must be 'auto', 'gloo' or 'shm', got {all_reduce!r}")
         if all_reduce == "shm" and not shm_supported():
             raise ValueError("all_reduce='shm' needs an x86-64 machine with /dev/shm; use 'gloo'")
+        if tp > 1 and dist.is_initialized():
+            raise RuntimeError("this process already runs a TPEngine with tensor_parallel_size > 1 (one "
+                               "process group per process): close() it first")
         self.tp, self.timeout_s, self.closed = tp, timeout_s, False
         self.all_reduce = "none" if tp == 1 else "gloo" if all_reduce == "gloo" or not shm_supported() else "shm"
         self.shm_path: str | None = None
@@ -128,7 +133,7 @@ class TPEngine(GraphEngine):
             super().__init__(full, scheduler, **kwargs)
             self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
             return
-        shm_elems = min(_max_batched_tokens(scheduler), SHM_MAX_TOKENS) * ModelConfig.from_pretrained(folder).hidden_size
+        shm_elems = min(_max_batched_tokens(scheduler), SHM_MAX_TOKENS) * cfg.hidden_size
         if self.all_reduce == "shm":
             try:
                 self.shm_path = create_file(tp, shm_elems)
@@ -209,14 +214,14 @@ class TPEngine(GraphEngine):
         lines = []
         for i, (conn, proc) in enumerate(zip(self.conns, self.workers)):
             try:
-                if conn.poll(1.0):
+                if conn.poll(0.05):   # a worker that raised wrote this before it exited
                     kind, info = conn.recv()
                     if kind == "error":
                         lines.append(info.rstrip())
                         continue
             except (EOFError, OSError):
                 pass
-            proc.join(0.5)
+            proc.join(0.05)
             if proc.exitcode is None:
                 lines.append(f"rank {i + 1}: still running but not answering (stopped now)")
             elif proc.exitcode:
@@ -227,7 +232,7 @@ class TPEngine(GraphEngine):
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' account if they have one."""
         report = self._worker_report() if self.workers else ""
-        self.close(wait_s=1.0)
+        self.close(wait_s=0.1)            # they are mid-step: no point waiting for a clean stop
         blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
             or "Traceback" in report
         if isinstance(error, KeyboardInterrupt) or not blamed:

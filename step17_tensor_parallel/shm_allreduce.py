@@ -85,19 +85,22 @@ class ShmAllReduce:
         return x
 
     def _wait(self) -> None:
-        spins, start = 0, None
+        spins, deadline, next_check = 0, 0.0, 0.0
         while int(self.flags.min()) < self.calls:
             spins += 1
             if spins < 200:
                 continue
             os.sched_yield()                                 # more ranks than free cores: let them run
-            if spins % 1000 == 0:
-                start = start or time.monotonic()
+            now = time.monotonic()
+            if not deadline:
+                deadline, next_check = now + self.timeout_s, now
+            if now >= next_check:                            # every 50 ms: is everyone still there?
                 if not self.peers_alive():
                     raise RuntimeError(f"shared-memory all-reduce: a peer of rank {self.rank} is gone")
-                if time.monotonic() - start > self.timeout_s:
-                    raise RuntimeError(f"shared-memory all-reduce: rank {self.rank} waited {self.timeout_s:.0f} s "
-                                       f"for call {self.calls}; a peer stopped answering")
+                next_check = now + 0.05
+            if now > deadline:
+                raise RuntimeError(f"shared-memory all-reduce: rank {self.rank} waited {self.timeout_s:.0f} s "
+                                   f"for call {self.calls}; a peer stopped answering")
 
     def close(self) -> None:
         self.flags = self.slots = None
