@@ -83,7 +83,11 @@ def chat(folder, tok, tp: int, dtype: torch.dtype) -> None:
                       f"({100 * c.seconds / secs:.0f}% of the time, waiting for the other ranks included)")
     a, b = outs[1], outs[tp]
     print(f"\n  Q: {QUESTIONS[0]}\n  A (TP={tp}): {tok.decode(b[0], skip_special_tokens=True).strip()!r}")
-    print("  " + identity_line(f"answers of TP=1 and TP={tp}", sum(x == y for x, y in zip(a, b)), len(a), dtype))
+    same = sum(x == y for x, y in zip(a, b))
+    print("  " + identity_line(f"answers of TP=1 and TP={tp}", same, len(a), dtype))
+    if same < len(a) and dtype != torch.float32:
+        print("  (and under TP each rank rounds its partial sum to bf16 before the all-reduce adds them: "
+              "one rounding more than TP=1 makes)")
 
 
 def faults(folder, cfg: ModelConfig, tp: int, dtype: torch.dtype) -> None:
