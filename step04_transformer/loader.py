@@ -7,6 +7,7 @@ So anything that does not line up is an error that names the tensor.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -18,42 +19,51 @@ from step04_transformer.model import CausalLM
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_weights(model: torch.nn.Module, folder: str | Path, dtype: torch.dtype) -> None:
+def checkpoint_tensors(folder: str | Path) -> Iterator[tuple[str, str, object]]:
+    """(file name, tensor name, open safetensors file) for every tensor of the checkpoint."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {str(folder)!r}")
-    params = dict(model.named_parameters())
-    tied = getattr(model, "lm_head", 0) is None
-    filled: set[str] = set()
-    stored_head = None
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if tied and name == "lm_head.weight":
-                    stored_head = f.get_tensor(name)  # a tied checkpoint may still store it: check below
-                    continue
-                if name not in params:
-                    raise KeyError(f"checkpoint tensor {name!r} ({file.name}) matches no model parameter")
-                if name in filled:
-                    raise KeyError(f"checkpoint tensor {name!r} appears twice")
-                tensor = f.get_tensor(name)
-                param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                                     f"model {tuple(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor.to(dtype))
-                filled.add(name)
-    if stored_head is not None and not torch.equal(stored_head.to(dtype), params["model.embed_tokens.weight"]):
-        raise ValueError("config says tie_word_embeddings but the checkpoint's lm_head.weight differs "
-                         "from model.embed_tokens.weight")
+                if not name.endswith(IGNORED_SUFFIXES):
+                    yield file.name, name, f
+
+
+def check_all_filled(params, filled: set[str], folder: str | Path) -> None:
     missing = sorted(set(params) - filled)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise KeyError(f"checkpoint in {str(folder)!r} is missing tensors: {missing[:5]}{more}")
+
+
+def load_weights(model: torch.nn.Module, folder: str | Path, dtype: torch.dtype) -> None:
+    params = dict(model.named_parameters())
+    tied = getattr(model, "lm_head", 0) is None
+    filled: set[str] = set()
+    stored_head = None
+    for file, name, f in checkpoint_tensors(folder):
+        if tied and name == "lm_head.weight":
+            stored_head = f.get_tensor(name)  # a tied checkpoint may still store it: check below
+            continue
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {name!r} ({file}) matches no model parameter")
+        if name in filled:
+            raise KeyError(f"checkpoint tensor {name!r} appears twice")
+        tensor = f.get_tensor(name)
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                             f"model {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(dtype))
+        filled.add(name)
+    if stored_head is not None and not torch.equal(stored_head.to(dtype), params["model.embed_tokens.weight"]):
+        raise ValueError("config says tie_word_embeddings but the checkpoint's lm_head.weight differs "
+                         "from model.embed_tokens.weight")
+    check_all_filled(params, filled, folder)
 
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> CausalLM:

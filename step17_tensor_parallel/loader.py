@@ -11,57 +11,45 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from step04_transformer.config import ModelConfig
-from step04_transformer.loader import IGNORED_SUFFIXES
+from step04_transformer.loader import check_all_filled, checkpoint_tensors
 from step17_tensor_parallel.model import TPCausalLM
 
 
 def load_sharded(model: TPCausalLM, folder: str | Path) -> None:
-    folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {str(folder)!r}")
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())         # a tied head's weight is listed once, as the embedding
     tied = model.full_config.tie_word_embeddings
     filled: set[str] = set()
     stored_head = None
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if tied and name == "lm_head.weight":
-                    stored_head = f.get_slice(name)   # a tied checkpoint may still store it: checked below
-                    continue
-                owner, _, attr = name.rpartition(".")
-                module = modules.get(owner)
-                if module is not None and hasattr(module, "load_shard"):
-                    local = f"{owner}.{module.load_shard(name, attr, f.get_slice(name))}"
-                elif name in params:                     # replicated: norms (every rank holds them whole)
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(params[name].shape):
-                        raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                                         f"model {tuple(params[name].shape)}")
-                    params[name].copy_(tensor)
-                    local = name
-                else:
-                    raise KeyError(f"checkpoint tensor {name!r} ({file.name}) matches no model parameter")
-                if local in filled:
-                    raise KeyError(f"checkpoint tensor {name!r} appears twice")
-                filled.add(local)
+    for file, name, f in checkpoint_tensors(folder):
+        if tied and name == "lm_head.weight":
+            stored_head = f.get_slice(name)       # a tied checkpoint may still store it: checked below
+            continue
+        owner, _, attr = name.rpartition(".")
+        module = modules.get(owner)
+        if module is not None and hasattr(module, "load_shard"):
+            local = f"{owner}.{module.load_shard(name, attr, f.get_slice(name))}"
+        elif name in params:                         # replicated: norms (every rank holds them whole)
+            tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                                 f"model {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+            local = name
+        else:
+            raise KeyError(f"checkpoint tensor {name!r} ({file}) matches no model parameter")
+        if local in filled:
+            raise KeyError(f"checkpoint tensor {name!r} appears twice")
+        filled.add(local)
     if stored_head is not None:
         emb = model.model.embed_tokens
         mine = stored_head[emb.start:emb.end].to(emb.weight.dtype)
         if not torch.equal(mine, emb.weight[:emb.end - emb.start]):
             raise ValueError("config says tie_word_embeddings but the checkpoint's lm_head.weight differs "
                              "from model.embed_tokens.weight")
-    missing = sorted(set(params) - filled)
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise KeyError(f"checkpoint in {str(folder)!r} is missing tensors: {missing[:5]}{more}")
+    check_all_filled(params, filled, folder)
 
 
 def load_tp_model(folder: str | Path, rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> TPCausalLM:
