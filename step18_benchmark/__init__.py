@@ -1,0 +1,1 @@
+"""Lesson 18: the benchmark: the optimisation ladder offline, and online serving metrics."""
