@@ -1,11 +1,10 @@
 """Lesson 08: a padded batch of mixed requests vs the same requests one at a time."""
 from __future__ import annotations
 
-import time
-
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
+from minivllm_support.timing import compare, format_ratio
 from step06_sampler.params import SamplingParams
 from step07_kv_cache.generate import generate_cached
 from step08_static_batching.batch import generate_static
@@ -30,12 +29,12 @@ def main() -> None:
     prompts = [chat_prompt_ids(tok, q) for q in QUESTIONS]
     params = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
 
-    t0 = time.perf_counter()
-    singles = [generate_cached(model, ids, p, eos) for ids, p in zip(prompts, params)]
-    t_single = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    batch, stats = generate_static(model, prompts, params, eos)
-    t_batch = time.perf_counter() - t0
+    # One untimed run of each, then three rounds taking turns (~50 s in all on 2 cores).
+    runs = compare({"one at a time": lambda: [generate_cached(model, ids, p, eos) for ids, p in zip(prompts, params)],
+                    "static batch": lambda: generate_static(model, prompts, params, eos)}, repeats=3)
+    single, static = runs["one at a time"], runs["static batch"]
+    singles = single.result
+    batch, stats = static.result
 
     for q, o in zip(QUESTIONS, batch):
         print(f"Q: {q}\nA: {tok.decode(o.token_ids, skip_special_tokens=True).strip()!r} ({o.finish_reason})")
@@ -48,8 +47,9 @@ def main() -> None:
     print(f"token slots computed: {stats.slots}, useful: {stats.useful} -> "
           f"{100 * stats.wasted_share:.1f}% wasted on padding and finished rows")
     n_single = sum(len(o.token_ids) for o in singles)
-    print(f"one at a time: {t_single:.2f} s ({n_single / t_single:.1f} tok/s)")
-    print(f"static batch:  {t_batch:.2f} s ({n_tokens / t_batch:.1f} tok/s) -> {t_single / t_batch:.2f}x")
+    print(f"one at a time: {single.describe()}, {n_single / single.median:.1f} tok/s")
+    print(f"static batch:  {static.describe()}, {n_tokens / static.median:.1f} tok/s")
+    print(f"static batch {format_ratio(single, static)}")
     print(f"decode steps: {len(stats.step_seconds) - 1}, set by the longest request; "
           f"the shortest needed {min(len(o.token_ids) for o in batch) - 1}")
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import random
-import time
 
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
+from minivllm_support.timing import compare, format_ratio
 from step06_sampler.params import SamplingParams
 from step08_static_batching.batch import generate_static
 from step09_continuous_batching.engine import LLMEngine
@@ -29,6 +29,23 @@ def workload(tok, n: int, seed: int = 0):
     return prompts, params
 
 
+def static_batches(model, prompts, params, batch: int):
+    """Lesson 08, one static batch after the other; returns the outputs, wasted and all slots."""
+    outs_all, wasted, slots = [], 0, 0
+    for i in range(0, len(prompts), batch):
+        outs, stats = generate_static(model, prompts[i:i + batch], params[i:i + batch])
+        outs_all += outs
+        slots += stats.slots
+        wasted += stats.slots - stats.useful
+    return outs_all, wasted, slots
+
+
+def continuous(model, prompts, params, batch: int):
+    """A fresh engine each run, so every run starts from the same empty state."""
+    engine = LLMEngine(model, SchedulerConfig(max_num_seqs=batch))
+    return engine.generate(prompts, params), engine.num_steps
+
+
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--requests", type=int, default=24)
@@ -41,26 +58,20 @@ def main() -> None:
           f"{max(s.max_tokens for s in params)} (ignore_eos, so every request runs to its length), "
           f"{n_out} output tokens in all\n")
 
-    t0 = time.perf_counter()
-    static_out, wasted, slots = [], 0, 0
-    for i in range(0, len(prompts), args.batch):
-        outs, stats = generate_static(model, prompts[i:i + args.batch], params[i:i + args.batch])
-        static_out += outs
-        slots += stats.slots
-        wasted += stats.slots - stats.useful
-    t_static = time.perf_counter() - t0
-
-    engine = LLMEngine(model, SchedulerConfig(max_num_seqs=args.batch))
-    t0 = time.perf_counter()
-    seqs = engine.generate(prompts, params)
-    t_cont = time.perf_counter() - t0
+    # One untimed run of each, then two rounds taking turns: a third round would take the
+    # script to ~100 s on 2 cores.
+    runs = compare({"static": lambda: static_batches(model, prompts, params, args.batch),
+                    "continuous": lambda: continuous(model, prompts, params, args.batch)}, repeats=2)
+    static, cont = runs["static"], runs["continuous"]
+    static_out, wasted, slots = static.result
+    seqs, num_steps = cont.result
 
     same = sum(a.token_ids == s.output_token_ids for a, s in zip(static_out, seqs))
-    print(f"static batches of {args.batch}: {t_static:6.2f} s, {n_out / t_static:6.1f} tok/s, "
+    print(f"static batches of {args.batch}: {static.describe()}, {n_out / static.median:6.1f} tok/s, "
           f"{100 * wasted / slots:.0f}% of token slots wasted")
-    print(f"continuous (max_num_seqs={args.batch}): {t_cont:6.2f} s, {n_out / t_cont:6.1f} tok/s, "
-          f"{engine.num_steps} engine steps")
-    print(f"speed-up: {t_static / t_cont:.2f}x")
+    print(f"continuous (max_num_seqs={args.batch}): {cont.describe()}, {n_out / cont.median:6.1f} tok/s, "
+          f"{num_steps} engine steps")
+    print(f"speed-up: {format_ratio(static, cont, word='')}")
     print(identity_line("outputs", same, len(seqs), dtype))
     out = seqs[1].output_token_ids
     eos = [i for i, t in enumerate(out) if t in model.config.eos_token_ids]

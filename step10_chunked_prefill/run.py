@@ -6,6 +6,7 @@ import statistics
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
+from minivllm_support.timing import compare
 from step06_sampler.params import SamplingParams
 from step09_continuous_batching.engine import LLMEngine
 from step09_continuous_batching.scheduler import SchedulerConfig
@@ -15,7 +16,7 @@ SHORT = ["Write a poem about autumn.", "Describe a busy market.", "Tell a story 
          "Explain how bread is made."]
 
 
-def run(engine: LLMEngine, shorts, long_prompt, arrive_at: int, decode_tokens: int):
+def run(engine: LLMEngine, shorts, long_prompt, arrive_at: int, decode_tokens: int) -> dict:
     seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True))
             for p in shorts]
     long_seq = None
@@ -26,8 +27,9 @@ def run(engine: LLMEngine, shorts, long_prompt, arrive_at: int, decode_tokens: i
         engine.step()
         steps += 1
     gaps = [1e3 * (b - a) for s in seqs for a, b in zip(s.token_times, s.token_times[1:])]
-    ttft = 1e3 * (long_seq.token_times[0] - long_seq.arrival_time)
-    return seqs, long_seq, gaps, ttft
+    return {"outputs": [s.output_token_ids for s in seqs + [long_seq]], "steps": engine.num_steps,
+            "median": statistics.median(gaps), "p99": p99(gaps), "worst": max(gaps),
+            "ttft": 1e3 * (long_seq.token_times[0] - long_seq.arrival_time)}
 
 
 def p99(xs: list[float]) -> float:
@@ -48,17 +50,24 @@ def main() -> None:
     print(f"{len(shorts)} requests decode {args.decode_tokens} tokens each; after 8 steps a "
           f"{len(long_prompt)}-token prompt arrives.\n")
 
-    results = {}
-    for name, engine in [
-        ("lesson 09, whole prompt in one step", LLMEngine(model, SchedulerConfig(max_num_batched_tokens=4096))),
-        (f"lesson 10, chunks of <= {args.chunk} tokens", ChunkedPrefillEngine(model, SchedulerConfig(max_num_batched_tokens=args.chunk))),
-    ]:
-        seqs, long_seq, gaps, ttft = run(engine, shorts, long_prompt, 8, args.decode_tokens)
-        results[name] = [s.output_token_ids for s in seqs] + [long_seq.output_token_ids]
-        print(f"{name}:\n  gap between tokens of running requests: median {statistics.median(gaps):6.1f} ms, "
-              f"p99 {p99(gaps):7.1f} ms, worst {max(gaps):7.1f} ms")
-        print(f"  long prompt: time to first token {ttft:7.1f} ms, engine steps {engine.num_steps}")
-    a, b = results.values()
+    # One untimed run of each, then three rounds taking turns; each figure below is the median
+    # of its three values (~50 s in all on 2 cores).
+    def fresh(cls: type[LLMEngine], budget: int):
+        """A new engine for every run, so that every run starts from the same empty state."""
+        return lambda: run(cls(model, SchedulerConfig(max_num_batched_tokens=budget)),
+                           shorts, long_prompt, 8, args.decode_tokens)
+
+    runs = compare({"lesson 09, whole prompt in one step": fresh(LLMEngine, 4096),
+                    f"lesson 10, chunks of <= {args.chunk} tokens": fresh(ChunkedPrefillEngine, args.chunk)},
+                   repeats=3)
+    for name, timing in runs.items():
+        mid = {k: statistics.median(r[k] for r in timing.results) for k in ("median", "p99", "worst", "ttft")}
+        ttfts = [r["ttft"] for r in timing.results]
+        print(f"{name} (median of {len(ttfts)} runs):\n  gap between tokens of running requests: "
+              f"median {mid['median']:6.1f} ms, p99 {mid['p99']:7.1f} ms, worst {mid['worst']:7.1f} ms")
+        print(f"  long prompt: time to first token {mid['ttft']:7.1f} ms (range {min(ttfts):.0f}-{max(ttfts):.0f}), "
+              f"engine steps {timing.result['steps']}")
+    a, b = (timing.result["outputs"] for timing in runs.values())
     print("\n" + identity_line("outputs with and without chunking", sum(x == y for x, y in zip(a, b)), len(a), dtype))
 
 

@@ -1,12 +1,14 @@
 """Lesson 11: a workload bigger than the KV budget finishes anyway, by preempting and recomputing."""
 from __future__ import annotations
 
-import time
+from typing import Callable
 
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
+from minivllm_support.timing import compare, format_ratio
 from step06_sampler.params import SamplingParams
+from step09_continuous_batching.engine import LLMEngine
 from step09_continuous_batching.scheduler import SchedulerConfig
 from step10_chunked_prefill.engine import ChunkedPrefillEngine
 from step11_preemption.engine import PreemptingEngine
@@ -15,6 +17,14 @@ from step11_preemption.scheduler import PreemptionSchedulerConfig
 QUESTIONS = ["Write a poem about autumn.", "Describe a busy market.", "Tell a story about a fox.",
              "Explain how bread is made.", "What makes a good friend?", "Describe the ocean at night.",
              "How do birds fly?", "Write a letter to a future self."]
+
+
+def served(make_engine: Callable[[], LLMEngine], prompts, params) -> Callable[[], tuple]:
+    """A variant for `compare`: a fresh engine every run (its build timed, as before), then the workload."""
+    def run() -> tuple:
+        engine = make_engine()
+        return engine, engine.generate(prompts, params)
+    return run
 
 
 def main() -> None:
@@ -29,21 +39,20 @@ def main() -> None:
     print(f"{len(prompts)} requests would hold {peak} tokens of KV at once; the budget is "
           f"{args.max_kv_tokens} tokens ({args.max_kv_tokens * model.config.kv_bytes_per_token / 2**20:.1f} MiB in bf16)\n")
 
-    t0 = time.perf_counter()
-    free = ChunkedPrefillEngine(model, SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256))
-    ref = free.generate(prompts, params)
-    t_free = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    tight = PreemptingEngine(model, PreemptionSchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256,
-                                                              max_kv_tokens=args.max_kv_tokens))
-    out = tight.generate(prompts, params)
-    t_tight = time.perf_counter() - t0
+    # One untimed run of each, then three rounds taking turns (~50 s in all on 2 cores).
+    seats = dict(max_num_seqs=len(prompts), max_num_batched_tokens=256)
+    runs = compare({"unconstrained": served(lambda: ChunkedPrefillEngine(model, SchedulerConfig(**seats)),
+                                            prompts, params),
+                    "budget": served(lambda: PreemptingEngine(model, PreemptionSchedulerConfig(
+                        **seats, max_kv_tokens=args.max_kv_tokens)), prompts, params)}, repeats=3)
+    (free, ref), (tight, out) = runs["unconstrained"].result, runs["budget"].result
 
     same = sum(a.output_token_ids == b.output_token_ids for a, b in zip(ref, out))
-    print(f"unconstrained: {t_free:.2f} s, {free.num_steps} steps")
-    print(f"budget {args.max_kv_tokens}:    {t_tight:.2f} s, {tight.num_steps} steps, "
+    print(f"unconstrained: {runs['unconstrained'].describe()}, {free.num_steps} steps")
+    print(f"budget {args.max_kv_tokens}:    {runs['budget'].describe()}, {tight.num_steps} steps, "
           f"{tight.scheduler.num_preemptions} preemptions "
           f"(per request: {[s.num_preemptions for s in out]})")
+    print(f"time with the budget / without: {format_ratio(runs['budget'], runs['unconstrained'], word='')}")
     print(identity_line("outputs", same, len(out), dtype))
     try:
         tight.add_request(prompts[0], SamplingParams(max_tokens=args.max_kv_tokens))

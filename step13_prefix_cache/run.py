@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import statistics
-import time
 
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
+from minivllm_support.timing import compare, format_ratio
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.engine import PagedEngine
 from step12_paged_attention.scheduler import PagedSchedulerConfig
@@ -47,19 +47,18 @@ QUESTIONS = ["When is the library open on Sunday?", "How do I become a member?",
 
 
 def serve(engine, prompts, params, every: int):
-    """Online arrivals: a new request every `every` engine steps; returns the sequences and the time.
+    """Online arrivals: a new request every `every` engine steps; returns the sequences.
 
     Arrivals are counted in steps, not seconds, so both engines see exactly the same schedule.
     """
     seqs, tick = [], 0
-    t0 = time.perf_counter()
     while len(seqs) < len(prompts) or engine.has_unfinished():
         if len(seqs) < len(prompts) and tick % every == 0:
             seqs.append(engine.add_request(prompts[len(seqs)], params))   # arrival_time = now
         if engine.has_unfinished():
             engine.step()
         tick += 1
-    return seqs, time.perf_counter() - t0
+    return seqs
 
 
 class CountTokens:
@@ -77,6 +76,22 @@ class CountingPagedEngine(CountTokens, PagedEngine):
 
 class CountingPrefixCachingEngine(CountTokens, PrefixCachingEngine):
     pass
+
+
+def served(engine_class, model, config, prompts, params, every: int):
+    """A variant for `compare`: a fresh engine every run, so the cache starts empty each time."""
+    def run() -> dict:
+        engine = engine_class(model, config)
+        seqs = serve(engine, prompts, params, every)
+        return dict(seqs=seqs, computed=engine.tokens_computed, steps=engine.num_steps,
+                    bm=engine.scheduler.block_manager)       # small: block ids and counters, not the pool
+    return run
+
+
+def ttft_figures(seqs) -> dict[str, float]:
+    ttft = [s.token_times[0] - s.arrival_time for s in seqs]
+    return {"mean": statistics.mean(ttft), "median": statistics.median(ttft),
+            "first": ttft[0], "later": statistics.mean(ttft[1:])}
 
 
 def ms(seconds: float) -> str:
@@ -101,30 +116,33 @@ def main() -> None:
     print(f"one request arrives every {args.every} engine steps; greedy, max_tokens={args.max_tokens}\n")
 
     config = PagedSchedulerConfig(max_num_seqs=len(prompts), block_size=bs, kv_cache_bytes=args.kv_cache_mib * 2**20)
-    PagedEngine(model, config).generate(prompts[:1], SamplingParams(max_tokens=2))   # warm-up, not timed
-    plain = CountingPagedEngine(model, config)
-    plain_seqs, t_plain = serve(plain, prompts, params, args.every)
-    cached = CountingPrefixCachingEngine(model, config)
-    cached_seqs, t_cached = serve(cached, prompts, params, args.every)
+    # One untimed run of each, then three rounds taking turns (~80 s in all on 2 cores).
+    runs = compare({"without cache": served(CountingPagedEngine, model, config, prompts, params, args.every),
+                    "with cache": served(CountingPrefixCachingEngine, model, config, prompts, params, args.every)},
+                   repeats=3)
+    plain, cached = runs["without cache"].result, runs["with cache"].result
 
-    bm = cached.scheduler.block_manager
+    bm = cached["bm"]
     prompt_tokens = sum(map(len, prompts))
     print(f"prefix cache: hit rate {100 * bm.hit_rate:.1f}% ({bm.hit_tokens} of {bm.query_tokens} prompt tokens "
           f"found in cached blocks)")
-    print(f"tokens through the model: {plain.tokens_computed} without the cache, {cached.tokens_computed} with it "
-          f"(difference {plain.tokens_computed - cached.tokens_computed}; hit tokens {bm.hit_tokens})")
+    print(f"tokens through the model: {plain['computed']} without the cache, {cached['computed']} with it "
+          f"(difference {plain['computed'] - cached['computed']}; hit tokens {bm.hit_tokens})")
     print(f"prompt tokens computed: {prompt_tokens} without, {prompt_tokens - bm.hit_tokens} with "
           f"-> {100 * bm.hit_tokens / prompt_tokens:.1f}% of the prefill work saved\n")
 
-    for name, seqs in (("without cache", plain_seqs), ("with cache", cached_seqs)):
-        ttft = [s.token_times[0] - s.arrival_time for s in seqs]
-        print(f"TTFT {name:<13}: mean {ms(statistics.mean(ttft))}, median {ms(statistics.median(ttft))}, "
-              f"first request {ms(ttft[0])}, later requests mean {ms(statistics.mean(ttft[1:]))}")
-    print(f"total time: {t_plain:.2f} s without, {t_cached:.2f} s with "
-          f"({plain.num_steps} and {cached.num_steps} engine steps)")
-    same = sum(a.output_token_ids == b.output_token_ids for a, b in zip(plain_seqs, cached_seqs))
+    for name, timing in runs.items():
+        per_run = [ttft_figures(r["seqs"]) for r in timing.results]
+        mid = {k: statistics.median(f[k] for f in per_run) for k in per_run[0]}
+        print(f"TTFT {name:<13}: mean {ms(mid['mean'])}, median {ms(mid['median'])}, "
+              f"first request {ms(mid['first'])}, later requests mean {ms(mid['later'])}")
+    print(f"  (each figure the median over {len(per_run)} runs)")
+    print(f"total time: {runs['without cache'].describe()} without, {runs['with cache'].describe()} with "
+          f"({plain['steps']} and {cached['steps']} engine steps)")
+    print(f"the cache made the run {format_ratio(runs['without cache'], runs['with cache'])}")
+    same = sum(a.output_token_ids == b.output_token_ids for a, b in zip(plain["seqs"], cached["seqs"]))
     print(identity_line("outputs, with vs without the cache", same, len(prompts), dtype))
-    print(f"\nQ: {QUESTIONS[1]}\nA: {tok.decode(cached_seqs[1].output_token_ids, skip_special_tokens=True)!r}")
+    print(f"\nQ: {QUESTIONS[1]}\nA: {tok.decode(cached['seqs'][1].output_token_ids, skip_special_tokens=True)!r}")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,18 @@
 """Lesson 14: one batched forward (no per-sequence loop) vs lesson 13's engine, same workload.
 
-Three runs: lesson 13; lesson 14 in plain torch (gather + matmul attention); lesson 14 with
-its paged decode kernel and pre-packed weights. The last one packs the model's weights in
-place, so it runs last.
+Three variants: lesson 13; lesson 14 in plain torch (gather + matmul attention); lesson 14
+with its paged decode kernel and pre-packed weights. Packing changes a model in place, so the
+last one runs on a second copy of the model, and the three can take turns.
 """
 from __future__ import annotations
 
 import random
-import time
 
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
+from minivllm_support.timing import compare, format_ratio
+from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.engine import PrefixCachingEngine
@@ -19,6 +20,16 @@ from step14_batched_forward.engine import BatchedEngine
 
 TOPICS = ["the sea", "a cat", "Paris", "the moon", "coffee", "a robot", "winter", "music",
           "a library", "the desert", "trains", "a garden", "chess", "rain", "a violin", "bread"]
+
+
+def served(engine_class, model, config, options: dict, prompts, params):
+    """A variant for `compare`: a fresh engine every run, so the prefix cache starts empty each time."""
+    def run() -> dict:
+        engine = engine_class(model, config, **options)
+        outputs = [s.output_token_ids for s in engine.generate(prompts, params)]
+        stats = engine.stats() if isinstance(engine, BatchedEngine) else None
+        return dict(outputs=outputs, steps=engine.num_steps, stats=stats)
+    return run
 
 
 def main() -> None:
@@ -38,23 +49,30 @@ def main() -> None:
                                   kv_cache_bytes=512 * 2**20)
     print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {n_out} output tokens "
           f"(ignore_eos), max_num_seqs={args.max_num_seqs}\n")
-    results = {}
-    runs = [("lesson 13 (attention loops over sequences)", PrefixCachingEngine, {}),
-            ("lesson 14, torch only (gather + matmul)   ", BatchedEngine, dict(use_kernel=False, pack_weights=False)),
-            ("lesson 14, decode kernel + packed weights ", BatchedEngine, {})]
-    for name, cls, options in runs:
-        engine = cls(model, config, **options)
-        t0 = time.perf_counter()
-        seqs = engine.generate(prompts, params)
-        secs = time.perf_counter() - t0
-        results[name] = (secs, [s.output_token_ids for s in seqs])
-        print(f"{name}: {secs:6.2f} s, {n_out / secs:6.1f} output tok/s, {engine.num_steps} steps")
-    (t13, a), (t_torch, _), (t14, b) = results.values()
-    print(f"\nspeed-up over lesson 13: {t13 / t_torch:.2f}x torch only, {t13 / t14:.2f}x with kernel and packing")
-    if not engine.use_kernel or not engine.num_packed:
-        print(f"(kernel in use: {engine.use_kernel}; linears packed: {engine.num_packed} - see the README for why not)")
+    # A second copy of the model for the packed variant: packing the shared one would change
+    # what the other two variants run. Its first engine packs it; later engines find it packed.
+    packed_model = load_model(folder, dtype)
+    first = BatchedEngine(packed_model, config)
+    use_kernel, num_packed = first.use_kernel, first.num_packed
+    del first
+    torch_only = dict(use_kernel=False, pack_weights=False)
+    # One untimed run of each, then three rounds taking turns (~75 s in all on 2 cores).
+    runs = compare({
+        "lesson 13 (attention loops over sequences)": served(PrefixCachingEngine, model, config, {}, prompts, params),
+        "lesson 14, torch only (gather + matmul)   ": served(BatchedEngine, model, config, torch_only, prompts, params),
+        "lesson 14, decode kernel + packed weights ": served(BatchedEngine, packed_model, config, {}, prompts, params),
+    }, repeats=3)
+    for name, timing in runs.items():
+        print(f"{name}: {timing.describe()}, {n_out / timing.median:6.1f} output tok/s, "
+              f"{timing.result['steps']} steps")
+    t13, t_torch, t14 = runs.values()
+    print(f"\nspeed-up over lesson 13: {format_ratio(t13, t_torch, word='torch only')}, "
+          f"{format_ratio(t13, t14, word='with kernel and packing')}")
+    if not use_kernel or not num_packed:
+        print(f"(kernel in use: {use_kernel}; linears packed: {num_packed} - see the README for why not)")
+    a, b = t13.result["outputs"], t14.result["outputs"]
     print(identity_line("outputs of lesson 13 and lesson 14", sum(x == y for x, y in zip(a, b)), len(a), dtype))
-    print(f"\nengine counters after the run: {engine.stats()}")
+    print(f"\nengine counters after the run: {t14.result['stats']}")
 
 
 if __name__ == "__main__":

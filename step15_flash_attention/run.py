@@ -5,8 +5,9 @@ plain float32 attention, then a long real prompt through lesson 14's engine and 
 2. the torch tiled algorithm and the C++ kernel against float32 attention, on a mixed batch at
    the model's own head shape (decodes, a whole prompt, a chunk with prior context);
 3. a long prompt (lesson 13's README, about 4,500 tokens, plus a question), chunked at 512
-   tokens a step: lesson 14 (gather + SDPA with a mask) vs lesson 15 (one kernel call a layer);
-4. one layer's attention over that prompt: our kernel vs torch's CPU flash SDPA.
+   tokens a step: lesson 14 (gather + SDPA with a mask) vs lesson 15 (one kernel call a layer),
+   after a short warm-up, twice each, taking turns;
+4. one layer's attention over that prompt: our kernel vs torch's CPU flash SDPA, taking turns.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
+from minivllm_support.timing import Timing, compare, format_ratio
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.engine import BatchedEngine
@@ -42,26 +44,40 @@ def check_kernels(cfg, dtype) -> None:
         print(f"  {name:12s} max |out - float32 reference| = {(fn(*case).float() - ref).abs().max().item():.2e}")
 
 
+def serve_long(engine: BatchedEngine, prompt: list[int], sp: SamplingParams) -> dict:
+    """One long request alone: its prefill steps timed apart from the decode steps after them."""
+    t0 = time.perf_counter()
+    seq = engine.add_request(prompt, sp)
+    while engine.prompt_tokens < len(prompt):          # the prefill steps
+        engine.step()
+    t_prefill = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    return {"outputs": seq.output_token_ids, "prefill": t_prefill, "decode": time.perf_counter() - t0 - t_prefill}
+
+
 def long_prompt(model, tok, dtype) -> int:
     question = "In one sentence: what does this lesson add to the engine?"
     prompt = chat_prompt_ids(tok, DOCUMENT.read_text() + "\n\n" + question)
     sp = SamplingParams(temperature=0, max_tokens=48)
     config = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, kv_cache_bytes=256 * 2**20)
     print(f"\nprompt: {DOCUMENT.parent.name}/README.md + a question = {len(prompt)} tokens, chunked at 512 a step")
-    outs = {}
-    for name, engine in [("lesson 14 (gather + SDPA)", BatchedEngine(model, config)),
-                         ("lesson 15 (flash kernel) ", FlashEngine(model, config))]:
-        t0 = time.perf_counter()
-        seq = engine.add_request(prompt, sp)
-        while engine.prompt_tokens < len(prompt):          # the prefill steps
-            engine.step()
-        t_prefill = time.perf_counter() - t0
-        while engine.has_unfinished():
-            engine.step()
-        outs[name] = seq.output_token_ids
-        print(f"  {name}: prefill {t_prefill:5.2f} s ({len(prompt) / t_prefill:6.1f} tok/s), "
-              f"then {len(seq.output_token_ids)} tokens in {time.perf_counter() - t0 - t_prefill:5.2f} s")
-    (n14, a), (n15, b) = outs.items()
+    engines = {"lesson 14 (gather + SDPA)": BatchedEngine, "lesson 15 (flash kernel) ": FlashEngine}
+    # Warm-up, not timed: the first 1024 tokens through each engine (the first builds pack the
+    # weights). A full untimed round (~30 s) would take the script past two minutes, so each
+    # engine serves the prompt twice. A fresh engine each run: no prefix-cache hits.
+    for cls in engines.values():
+        serve_long(cls(model, config), prompt[:1024], SamplingParams(temperature=0, max_tokens=4))
+    runs = compare({name: lambda cls=cls: serve_long(cls(model, config), prompt, sp) for name, cls in engines.items()},
+                   repeats=2, warmup=False)
+    prefill = {}
+    for name, timing in runs.items():
+        prefill[name] = Timing(name, [r["prefill"] for r in timing.results])
+        decode = Timing(name, [r["decode"] for r in timing.results])
+        print(f"  {name}: prefill {prefill[name].describe()}, {len(prompt) / prefill[name].median:6.1f} tok/s, "
+              f"then {len(timing.result['outputs'])} tokens in {decode.median:5.2f} s")
+    print(f"  lesson 15 prefill {format_ratio(*prefill.values())}")
+    a, b = (timing.result["outputs"] for timing in runs.values())
     print(f"  answer: {tok.decode(b, skip_special_tokens=True).strip()!r}")
     print("  " + identity_line("answers of lesson 14 and lesson 15", int(a == b), 1, dtype))
     return len(prompt)
@@ -74,14 +90,14 @@ def attention_alone(cfg, dtype, length: int) -> None:
     k = k_pool[tables[0]].transpose(1, 2).flatten(0, 1)[:length].repeat_interleave(Hq // Hkv, 1).transpose(0, 1)
     v = v_pool[tables[0]].transpose(1, 2).flatten(0, 1)[:length].repeat_interleave(Hq // Hkv, 1).transpose(0, 1)
     k, v, qh = k.contiguous()[None], v.contiguous()[None], q.transpose(0, 1).contiguous()[None]
-    print(f"\none layer's attention, one causal sequence of {length} tokens ({dtype}):")
-    for name, fn in [("C++ kernel (paged, in place)", lambda: flash_attention_cpu(*case)),
-                     ("torch SDPA is_causal (contiguous K/V)", lambda: F.scaled_dot_product_attention(qh, k, v, is_causal=True))]:
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn()
-        print(f"  {name:38s} {(time.perf_counter() - t0) / 3 * 1e3:7.1f} ms")
+    print(f"\none layer's attention, one causal sequence of {length} tokens ({dtype}; taking turns, median of 5):")
+    runs = compare({"C++ kernel (paged, in place)": lambda: flash_attention_cpu(*case),
+                    "torch SDPA is_causal (contiguous K/V)":
+                        lambda: F.scaled_dot_product_attention(qh, k, v, is_causal=True)}, repeats=5)
+    for name, timing in runs.items():
+        print(f"  {name:38s} {timing.median * 1e3:7.1f} ms ({timing.best * 1e3:.1f}-{max(timing.seconds) * 1e3:.1f})")
+    kernel, sdpa = runs.values()
+    print(f"  time SDPA / C++ kernel: {format_ratio(sdpa, kernel, word='')}")
 
 
 def main() -> None:
