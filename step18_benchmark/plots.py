@@ -1,0 +1,64 @@
+"""PNG plots of a benchmark run (matplotlib, no screen needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")             # files only: these machines have no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def ladder_plot(rows: list[dict], title: str, path: Path) -> Path:
+    """Output tok/s per rung, a bar each; prefix runs hatched."""
+    fig, ax = plt.subplots(figsize=(9, 4))
+    names = [r["name"] for r in rows]
+    bars = ax.bar(names, [r["output_tps"] for r in rows], color="#4c72b0")
+    for bar, r in zip(bars, rows):
+        if r["requests"] < r["of"]:
+            bar.set_hatch("//")
+        ax.annotate(f"{r['output_tps']:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title + "  (hatched: ran a prefix of the workload)", fontsize=10)
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def latency_plot(sweep: list[dict], path: Path) -> Path:
+    """Median and p99 of TTFT, TPOT, E2EL against the request rate; throughput on the side."""
+    rates = [s["rate"] for s in sweep]
+    labels = ["all at once" if r == float("inf") else f"{r:g}" for r in rates]
+    x = range(len(rates))
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
+    for ax, metric in zip(axes, ["ttft", "tpot", "e2el"]):
+        for stat, style in (("median", "o-"), ("p99", "s--")):
+            ax.plot(x, [s["result"][metric][stat] for s in sweep], style, label=stat)
+        ax.set_title(f"{metric.upper()} (ms)")
+        ax.set_xticks(list(x), labels, rotation=30)
+        ax.set_xlabel("request rate (req/s)")
+        ax.legend(fontsize=8)
+    axes[3].plot(x, [s["result"]["output_throughput"] for s in sweep], "o-")
+    axes[3].set_title("output tok/s")
+    axes[3].set_xticks(list(x), labels, rotation=30)
+    axes[3].set_xlabel("request rate (req/s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def distribution_plot(ttft_ms: list[float], itl_ms: list[float], title: str, path: Path) -> Path:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, values, name in ((axes[0], ttft_ms, "TTFT"), (axes[1], itl_ms, "ITL")):
+        ax.hist(values, bins=40, color="#55a868")
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("count")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
