@@ -48,7 +48,7 @@ def continuous(model, prompts, params, batch: int):
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--requests", type=int, default=16)
     p.add_argument("--batch", type=int, default=8, help="static batch size = max_num_seqs")
     args = p.parse_args()
     dtype, folder, model, tok = start_lesson(args)

@@ -27,7 +27,7 @@ def workload(tok, n: int, seed: int = 0):
     """Chat requests with varied max_tokens; they stop at EOS, as real requests do."""
     rng = random.Random(seed)
     prompts = [chat_prompt_ids(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.choice([64, 128, 256])) for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.choice([32, 64, 128])) for _ in range(n)]
     return prompts, params
 
 
