@@ -28,23 +28,23 @@ def ladder_plot(rows: list[dict], title: str, path: Path) -> Path:
     return path
 
 
-def latency_plot(sweep: list[dict], path: Path) -> Path:
-    """Median and p99 of TTFT, TPOT, E2EL against the request rate; throughput on the side."""
-    rates = [s["rate"] for s in sweep]
-    labels = ["all at once" if r == float("inf") else f"{r:g}" for r in rates]
-    x = range(len(rates))
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
-    for ax, metric in zip(axes, ["ttft", "tpot", "e2el"]):
-        for stat, style in (("median", "o-"), ("p99", "s--")):
-            ax.plot(x, [s["result"][metric][stat] for s in sweep], style, label=stat)
-        ax.set_title(f"{metric.upper()} (ms)")
-        ax.set_xticks(list(x), labels, rotation=30)
+def latency_plot(series: dict[str, list[dict]], path: Path) -> Path:
+    """Median and p99 of TTFT, TPOT, E2EL against the request rate, and throughput; one colour
+    per server (series: name -> its sweep), so two servers measured in one run share the axes."""
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.8))
+    for colour, (name, sweep) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], series.items()):
+        sweep = sorted(sweep, key=lambda s: s["rate"])          # load grows left to right
+        labels = ["all at once" if s["rate"] == float("inf") else f"{s['rate']:g}" for s in sweep]
+        for ax, metric in zip(axes, ["ttft", "tpot", "e2el"]):
+            for stat, style in (("median", "o-"), ("p99", "s--")):
+                ax.plot(labels, [s["result"][metric][stat] for s in sweep], style, color=colour,
+                        label=f"{name} {stat}")
+        axes[3].plot(labels, [s["result"]["output_throughput"] for s in sweep], "o-", color=colour, label=name)
+    for ax, title in zip(axes, ["TTFT (ms)", "TPOT (ms)", "E2EL (ms)", "output tok/s"]):
+        ax.set_title(title)
         ax.set_xlabel("request rate (req/s)")
-        ax.legend(fontsize=8)
-    axes[3].plot(x, [s["result"]["output_throughput"] for s in sweep], "o-")
-    axes[3].set_title("output tok/s")
-    axes[3].set_xticks(list(x), labels, rotation=30)
-    axes[3].set_xlabel("request rate (req/s)")
+        ax.tick_params(axis="x", rotation=30)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

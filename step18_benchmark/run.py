@@ -24,6 +24,7 @@ import torch
 
 from minivllm_support.cli import base_parser, machine, setup
 from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
+from minivllm_support.timing import busy_warning
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step18_benchmark import plots, vllm_server
@@ -126,6 +127,9 @@ def print_table(results: list[RungResult], title: str) -> None:
 def online(send, work: Workload, rates: list[float], slo: SLO, title: str) -> list[dict]:
     requests = [Request(p, sp.max_tokens) for p, sp in zip(work.prompts, work.params)]
     print(f"\n{title}: {len(requests)} requests, Poisson arrivals, rates {rates} req/s")
+    warning = busy_warning()             # sampled while the server idles: anything else is competition
+    if warning:
+        print(warning)
     out = []
     for rate, result, records in sweep(send, requests, rates, slo=slo):
         print(f"--- rate {rate:g} req/s ---\n{result.table()}", flush=True)
@@ -190,6 +194,7 @@ def main() -> None:
     rates = args.rates or ([math.inf, 4, 2, 1] if args.full else [math.inf, 4, 2])
     front = AsyncEngine(GraphEngine(model, setup_.paged(), use_graph=args.full))
     try:
+        report["online_name"] = "lesson 16"
         report["online"] = online(engine_sender(front), chat, rates, slo,
                                   f"online, lesson 16's engine ({'compiled' if args.full else 'eager'}) "
                                   f"behind the async front end")
@@ -232,7 +237,10 @@ async def _first_model(base_url: str) -> str:
 
 def _finish(report: dict, out: Path) -> None:
     if report.get("online"):
-        plots.latency_plot(report["online"], out / "latency_vs_rate.png")
+        series = {report.get("online_name", "server"): report["online"]}
+        if report.get("online_vllm"):
+            series["vLLM-CPU"] = report["online_vllm"]
+        plots.latency_plot(series, out / "latency_vs_rate.png")
         first = report["online"][0]
         ok = [r for r in first["records"] if r["success"]]
         ttft = [(r["token_times"][0] - r["start"]) * 1e3 for r in ok if r["token_times"]]

@@ -142,6 +142,6 @@ def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_pa
         front.shutdown()
     online = [{"rate": rate, "result": res.to_dict(), "records": [vars(r) for r in recs]} for rate, res, recs in runs]
     assert all(o["result"]["completed"] == 4 and o["result"]["total_output_tokens"] == 24 for o in online)
-    plots.latency_plot(online, tmp_path / "latency.png")
+    plots.latency_plot({"tiny": online}, tmp_path / "latency.png")
     (tmp_path / "results.json").write_text(json.dumps({"ladder": rows, "online": online}, default=str))
     assert json.loads((tmp_path / "results.json").read_text())["online"][1]["rate"] == 50.0
