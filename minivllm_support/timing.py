@@ -111,6 +111,8 @@ def format_ratio(slow: Timing, fast: Timing, word: str = "faster") -> str:
     """'2.41x faster (median of 3, spread 2.30-2.55x)': median over median, and the range of
     the per-round ratios (each round's two runs were measured side by side)."""
     ratio = slow.median / fast.median
+    if word == "faster" and ratio < 1:
+        word = "faster, i.e. slower"     # say so plainly: "0.71x faster" reads like a gain
     head = f"{ratio:.2f}x{' ' + word if word else ''}"
     rounds = [s / f for s, f in zip(slow.seconds, fast.seconds)]
     if len(rounds) == 1:

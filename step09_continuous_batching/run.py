@@ -25,7 +25,7 @@ def workload(tok, n: int, seed: int = 0):
         ask = rng.choice(["Say one word about {}.", "Write a short poem about {}.",
                           "Explain {} to a child in a few sentences."]).format(topic)
         prompts.append(chat_prompt_ids(tok, ask))
-        params.append(SamplingParams(temperature=0, max_tokens=rng.choice([8, 16, 32, 64, 96]), ignore_eos=True))
+        params.append(SamplingParams(temperature=0, max_tokens=rng.choice([6, 12, 24, 48, 72]), ignore_eos=True))
     return prompts, params
 
 
@@ -48,7 +48,7 @@ def continuous(model, prompts, params, batch: int):
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--requests", type=int, default=24)
     p.add_argument("--batch", type=int, default=8, help="static batch size = max_num_seqs")
     args = p.parse_args()
     dtype, folder, model, tok = start_lesson(args)

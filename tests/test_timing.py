@@ -67,6 +67,7 @@ def test_format_ratio_is_median_over_median_with_per_round_spread():
     assert format_ratio(slow, fast) == "2.22x faster (median of 3, spread 2.00-2.50x)"
     assert format_ratio(slow, fast, word="") == "2.22x (median of 3, spread 2.00-2.50x)"
     assert format_ratio(Timing("a", [3.0]), Timing("b", [2.0])) == "1.50x faster (1 run each)"
+    assert format_ratio(Timing("a", [2.0]), Timing("b", [4.0])) == "0.50x faster, i.e. slower (1 run each)"
 
 
 def test_repeats_must_be_positive(quiet):
