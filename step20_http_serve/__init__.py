@@ -1,0 +1,1 @@
+"""Lesson 20: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over lesson 19's LLM."""
