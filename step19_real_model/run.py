@@ -80,7 +80,9 @@ def stops(llm: LLM) -> None:
           f"stop_reason={cut.stop_reason!r})")
     print(f"  ... kept      : {kept.text!r}")
     s = llm.engine.stats()
-    print(f"  afterwards: {s.num_running} running, {s.kv_blocks_used} KV blocks in use\n")
+    scratch = 1 if llm.engine.runner else 0        # lesson 16's padding block, held for good
+    print(f"  afterwards: {s.num_running} running, {s.kv_blocks_used - scratch} KV blocks in use"
+          f"{' (besides the graph runner scratch block)' if scratch else ''}\n")
 
 
 def logprobs(llm: LLM) -> None:
@@ -101,6 +103,7 @@ def streamed(llm: LLM) -> None:
     d = IncrementalDetokenizer(tok, out.prompt_token_ids, SamplingParams())
     pieces = [d.add(t) for t in out.outputs[0].token_ids] + [d.flush()]
     alone = [tok.decode([t]) for t in out.outputs[0].token_ids]
+    print(f"  answer: {out.outputs[0].text!r}")
     print(f"  tokens decoded one by one: {alone[:10]}")
     print(f"  incremental pieces       : {pieces[:10]}")
     print(f"  pieces joined == full decode: {''.join(pieces) == out.outputs[0].text}; "
