@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minivllm_support.models import load_tokenizer, resolve_model
+from step05_naive.generate import check_prompt
 from step09_continuous_batching.sequence import Sequence
 from step18_benchmark.frontend import abort
 from step19_real_model.detokenizer import IncrementalDetokenizer
@@ -133,9 +134,6 @@ class LLM:
             ids = self.encode(text)
         if not _is_ids(ids):
             raise TypeError(f"prompt {i}: token ids must be a non-empty list of ints, got {str(ids)[:60]}")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return text, [int(t) for t in ids]
 
     def _params(self, sp: SamplingParams | Seq[SamplingParams] | None, count: int) -> list[SamplingParams]:
@@ -152,9 +150,10 @@ class LLM:
     def _run(self, items: list[tuple[str | None, list[int]]], plist: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         for i, ((_, ids), sp) in enumerate(zip(items, plist)):
-            if len(ids) + sp.max_tokens > self.max_model_len:
-                raise ValueError(f"prompt {i}: {len(ids)} prompt tokens + max_tokens {sp.max_tokens} exceeds "
-                                 f"max_model_len {self.max_model_len}")
+            try:                           # lesson 05's checks, against what this engine can hold
+                check_prompt(ids, self.vocab_size, self.max_model_len, sp.max_tokens)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e} (max_model_len {self.max_model_len})") from None
         outputs = [RequestOutput(str(next(self._request_ids)), text, ids, [None] * sp.n)
                    for (text, ids), sp in zip(items, plist)]
         live: dict[Sequence, _Tracked] = {}

@@ -182,7 +182,7 @@ def test_qwen3_thinking_switch_reaches_the_template(qwen3_tokenizer):
 
 # ---- bad input -----------------------------------------------------------------------------
 @pytest.mark.parametrize("call, words", [
-    (lambda llm: llm.generate([[1, 2, 10**7]]), "token id 10000000"),
+    (lambda llm: llm.generate([[1, 2, 10**7]]), "out of range [0, 49152): [10000000]"),
     (lambda llm: llm.generate(["ok", 5]), "prompt 1"),
     (lambda llm: llm.generate(5), "prompts must be"),
     (lambda llm: llm.generate([[]]), "prompt 0"),
