@@ -1,0 +1,343 @@
+"""Advanced lesson 05: the radix cache matches at token granularity, copies shared blocks before
+writing into them, never leaks or evicts a referenced block (property tests against a model of
+the pool's contents), and its engines produce lesson 13's tokens while reusing more of the prompt."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from advanced.adv05_radix_cache.block_manager import RadixBlockManager
+from advanced.adv05_radix_cache.engine import RadixEngine, RadixGraphEngine, copy_blocks
+from advanced.adv05_radix_cache.radix_tree import RadixTree
+from minivllm_support.models import chat_prompt_ids
+from step04_transformer.loader import load_model
+from step06_sampler.params import SamplingParams
+from step09_continuous_batching.sequence import Sequence
+from step12_paged_attention.kv_pool import KVPool
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step13_prefix_cache.engine import PrefixCachingEngine
+from step14_batched_forward.kv_pool import HeadMajorKVPool
+from step16_cuda_graph.engine import GraphEngine
+
+
+# ---- a model of the pool: each slot holds a name of the prefix whose K/V it would hold ---------
+def prefix_names(tokens: list[int]) -> list[int]:
+    """names[p] identifies tokens[:p + 1] (K/V at position p depend on exactly that)."""
+    out, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+class Pool:
+    def __init__(self, bm: RadixBlockManager):
+        self.bm, self.bs = bm, bm.block_size
+        self.slots = [[None] * bm.block_size for _ in range(bm.num_blocks)]
+
+    def copy(self) -> None:                                # what RadixCacheMixin.prepare_kv does
+        for src, dst in self.bm.take_copies():
+            self.slots[dst] = list(self.slots[src])
+
+    def write(self, seq: Sequence, start: int, end: int) -> None:   # what the forward does
+        names = prefix_names(seq.token_ids[:end])
+        for p in range(start, end):
+            self.slots[seq.kv[p // self.bs]][p % self.bs] = names[p]
+
+    def holds(self, table: list[int], tokens: list[int]) -> bool:
+        names = prefix_names(tokens)
+        return all(self.slots[table[p // self.bs]][p % self.bs] == names[p] for p in range(len(tokens)))
+
+
+def check(bm: RadixBlockManager, pool: Pool, running: list[Sequence]) -> None:
+    refs = Counter(b for s in running for b in s.kv or [])
+    assert [b.ref_count for b in bm.blocks] == [refs[i] for i in range(bm.num_blocks)]    # exact
+    nodes = bm.tree.nodes()
+    assert Counter(b for n in nodes for b in n.blocks) == Counter(bm.tree.refs)
+    free = list(bm.free_block_ids)
+    assert len(set(free)) == len(free)
+    referenced = {i for i in range(bm.num_blocks) if refs[i]}
+    cached = set(bm.tree.refs) - referenced
+    assert not set(free) & (referenced | set(bm.tree.refs))         # a free block is nobody's
+    assert bm.evictable == cached
+    assert len(free) + len(referenced) + len(cached) == bm.num_blocks   # no leaks
+    for s in running:                                  # nobody overwrote a running sequence's K/V
+        assert pool.holds(s.kv, s.token_ids[:s.num_computed_tokens])
+    bs = bm.block_size
+    for n in nodes:                                    # every node's blocks hold its whole path
+        assert n.start == n.parent.end and n.parent.children[n.tokens[0]] is n
+        assert len(n.blocks) == (n.end - 1) // bs - n.start // bs + 1
+        path, node = [], n
+        while node.parent is not None:
+            path[:0], node = list(node.tokens), node.parent
+        names = prefix_names(path)
+        first = n.start // bs
+        for p in range(first * bs, n.end):
+            assert pool.slots[n.blocks[p // bs - first]][p % bs] == names[p]
+
+
+def longest_in_tree(bm: RadixBlockManager, query: list[int]) -> int:
+    best = 0
+    for n in bm.tree.nodes():
+        path, node = [], n
+        while node.parent is not None:
+            path[:0], node = list(node.tokens), node.parent
+        k = 0
+        while k < min(len(path), len(query)) and path[k] == query[k]:
+            k += 1
+        best = max(best, k)
+    return best
+
+
+def run_ops(data, n_ops: int) -> int:
+    bm = RadixBlockManager(data.draw(st.integers(4, 24)), data.draw(st.sampled_from([1, 2, 3, 4])))
+    pool, running, waiting = Pool(bm), [], []
+    tok = st.integers(1, 2)                                # a tiny vocabulary: prefixes repeat
+    hits = 0
+
+    def admit(seq: Sequence, step: list, matched: list) -> None:
+        nonlocal hits
+        got = bm.match_prefix(seq)
+        hits += got
+        matched.append((seq, list(seq.kv), got))
+        if bm.room(seq) >= seq.num_uncomputed_tokens:
+            bm.allocate(seq, seq.num_tokens)
+            running.append(seq)
+            step.append(seq)
+        else:
+            bm.free(seq)
+            seq.num_computed_tokens = 0
+
+    for _ in range(n_ops):
+        op = data.draw(st.sampled_from(["new", "step", "step", "fork", "finish", "preempt", "match", "evict"]))
+        if op in ("new", "step"):
+            # One engine step: grow some running sequences, maybe preempt one, maybe admit one;
+            # then the copies, then every write, as the engine orders them.
+            step: list[Sequence] = []
+            matched: list[tuple[Sequence, list[int], int]] = []
+            if op == "step" and running:
+                for seq in data.draw(st.lists(st.sampled_from(running), max_size=3, unique=True)):
+                    k = data.draw(st.integers(1, 6))
+                    if bm.room(seq) >= k:
+                        seq.token_ids += [data.draw(tok) for _ in range(k)]
+                        bm.allocate(seq, seq.num_tokens)
+                        step.append(seq)
+                if step and data.draw(st.booleans()):      # a victim, maybe one granted already
+                    victim = data.draw(st.sampled_from(running))
+                    running.remove(victim)
+                    if victim in step:
+                        step.remove(victim)
+                        del victim.token_ids[victim.num_computed_tokens:]
+                    bm.cache_sequence(victim)
+                    bm.free(victim)
+                    victim.num_computed_tokens = 0
+                    waiting.append(victim)
+            if op == "new" or data.draw(st.booleans()):
+                if waiting and data.draw(st.booleans()):
+                    admit(waiting.pop(0), step, matched)
+                else:
+                    admit(Sequence([data.draw(tok) for _ in range(data.draw(st.integers(1, 20)))],
+                                   SamplingParams(max_tokens=64)), step, matched)
+            pool.copy()
+            for seq, table, got in matched:                # a match never returns other tokens
+                assert pool.holds(table, seq.token_ids[:got])
+            for seq in step:
+                pool.write(seq, seq.num_computed_tokens, seq.num_tokens)
+                seq.num_computed_tokens = seq.num_tokens
+                if data.draw(st.booleans()):
+                    bm.cache_sequence(seq)
+        elif op == "fork" and running:
+            parent = data.draw(st.sampled_from(running))
+            child = Sequence(parent.prompt_token_ids, parent.params)
+            child.token_ids = list(parent.token_ids)
+            bm.fork(parent, child)
+            running.append(child)
+        elif op in ("finish", "preempt") and running:
+            seq = running.pop(data.draw(st.integers(0, len(running) - 1)))
+            bm.cache_sequence(seq)
+            bm.free(seq)
+            seq.num_computed_tokens = 0
+            if op == "preempt":
+                waiting.append(seq)
+        elif op == "match":
+            query = [data.draw(tok) for _ in range(data.draw(st.integers(0, 24)))]
+            m = bm.tree.match_prefix(query)
+            assert m.num_tokens == longest_in_tree(bm, query) and len(m.block_ids) == bm.blocks_for(m.num_tokens)
+            assert pool.holds(m.block_ids, query[:m.num_tokens])
+        elif op == "evict":
+            before = len(bm.free_block_ids)
+            bm.evict(before + data.draw(st.integers(1, 4)))
+        check(bm, pool, running)
+    assert bm.hit_tokens == hits
+    for seq in running:
+        bm.free(seq)
+    bm.evict(bm.num_blocks)
+    assert len(bm.free_block_ids) == bm.num_blocks and not bm.tree.nodes()
+    return bm.num_copies
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.data())
+def test_block_manager_properties(data):
+    # 50 examples x 220 operations = 11,000 random operations, checked after every one
+    run_ops(data, 220)
+
+
+# ---- the pieces, by hand ---------------------------------------------------------------------
+def _computed(bm: RadixBlockManager, tokens: list[int]) -> Sequence:
+    seq = Sequence(tokens, SamplingParams())
+    bm.match_prefix(seq)
+    bm.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_sequence(seq)
+    return seq
+
+
+def test_match_is_token_granular_and_copies_before_writing():
+    bm = RadixBlockManager(num_blocks=8, block_size=4)
+    a = _computed(bm, [1, 2, 3, 4, 5, 6, 7])
+    b = Sequence([1, 2, 3, 4, 5, 6, 9, 9], SamplingParams())
+    assert bm.match_prefix(b) == 6 and b.kv == a.kv       # lesson 13 would stop at 4
+    assert bm.needs_copy(b)                               # a's token 7 sits where b writes 9
+    bm.allocate(b, 8)
+    assert bm.take_copies() == [(a.kv[1], b.kv[1])] and b.kv[0] == a.kv[0] != b.kv[1]
+    assert bm.blocks[a.kv[1]].ref_count == 1
+
+
+def test_fork_shares_every_block_and_the_first_writer_copies():
+    bm = RadixBlockManager(num_blocks=8, block_size=4)
+    parent = _computed(bm, [1, 2, 3, 4, 5, 6])
+    child = Sequence(parent.prompt_token_ids, parent.params)
+    bm.fork(parent, child)
+    assert child.kv == parent.kv and all(bm.blocks[b].ref_count == 2 for b in parent.kv)
+    child.token_ids.append(8)
+    bm.allocate(child, 7)                                 # shared partial block: copy first
+    parent.token_ids.append(7)
+    bm.allocate(parent, 7)                                # now its own again: in place
+    assert len(bm.take_copies()) == 1 and parent.kv[1] != child.kv[1] and parent.kv[0] == child.kv[0]
+    with pytest.raises(ValueError, match="parent"):
+        bm.fork(Sequence([1], SamplingParams()), Sequence([1], SamplingParams()))
+
+
+def test_lru_leaf_is_evicted_first_and_referenced_blocks_never():
+    bm = RadixBlockManager(num_blocks=4, block_size=2)
+    old, new = _computed(bm, [1, 1, 1]), _computed(bm, [2, 2, 2])
+    bm.free(old)
+    bm.free(new)
+    assert bm.num_free_blocks == 4 and not bm.free_block_ids      # all four cached, all room
+    bm.tree.match_prefix([1, 1])                         # touched: [2, 2, 2] is now the LRU leaf
+    bm.allocate(Sequence([7], SamplingParams()), 1)      # needs one block: evicts that leaf
+    assert bm.tree.match_prefix([2, 2, 2]).num_tokens == 0 and bm.tree.match_prefix([1, 1, 1]).num_tokens == 3
+    held = Sequence([1, 1, 1, 5], SamplingParams())
+    assert bm.match_prefix(held) == 3
+    assert bm.evict(4) == 0                              # nothing cached is left to give
+    assert bm.tree.match_prefix([1, 1, 1]).num_tokens == 3 and bm.num_evicted_blocks == 2
+    assert all(bm.blocks[b].ref_count == 1 for b in held.kv) and not set(held.kv) & set(bm.free_block_ids)
+    with pytest.raises(ValueError, match="block_ids"):
+        RadixTree(4).insert([1, 2, 3, 4, 5], [0])
+
+
+@pytest.mark.parametrize("pool_class", [KVPool, HeadMajorKVPool])
+def test_copy_blocks_moves_whole_blocks_in_order(pool_class, tiny_qwen3_dir):
+    from step04_transformer.config import ModelConfig
+    pool = pool_class(ModelConfig.from_pretrained(tiny_qwen3_dir), 4, 4, torch.float32)
+    for cache in pool.k + pool.v:
+        for b in range(4):
+            cache[b] = b
+    copy_blocks(pool, [(1, 2), (3, 1)])                  # 2 gets 1's old contents, then 1 gets 3's
+    assert all(cache[2].eq(1).all() and cache[1].eq(3).all() for cache in pool.k + pool.v)
+
+
+# ---- engines --------------------------------------------------------------------------------
+SYSTEM = "You are a concise assistant for a small bakery in Lyon. Answer in one short sentence."
+
+
+@pytest.fixture
+def one_thread():
+    """Exact-token tests need no parallelism, and with one thread they stay fast when another
+    process shares the cores (two OpenMP threads on a busy core wait on each other at every op)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _config(model, block_size=16, blocks=200, **kw):
+    bpb = KVPool.bytes_per_block(model.config, block_size, model.model.embed_tokens.weight.dtype)
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("max_num_batched_tokens", 512)
+    return PagedSchedulerConfig(block_size=block_size, kv_cache_bytes=blocks * bpb, **kw)
+
+
+def staggered(engine, prompts, params):
+    """One arrival per engine step: each request can reuse what the earlier ones computed,
+    while they are still running (and writing into the blocks it shares)."""
+    seqs = []
+    for p in prompts:
+        seqs.append(engine.add_request(p, params))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output_token_ids for s in seqs]
+
+
+def test_equals_lesson13_and_reuses_more(smol_fp32, smol_tokenizer, one_thread):
+    questions = ["Do you sell bread?", "Do you sell cakes?", "Do you sell bread on Sunday?", "Do you sell coffee?"]
+    prompts = [chat_prompt_ids(smol_tokenizer, q, system=SYSTEM) for q in questions]
+    shared = next(i for i in range(len(prompts[0])) if prompts[0][i] != prompts[1][i])
+    assert shared % 16, "the shared prefix must end inside a block"
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    lesson13 = PrefixCachingEngine(smol_fp32, _config(smol_fp32))
+    radix = RadixEngine(smol_fp32, _config(smol_fp32))
+    assert staggered(radix, prompts, sp) == staggered(lesson13, prompts, sp)
+    r, h = radix.scheduler.block_manager, lesson13.scheduler.block_manager
+    assert r.hit_tokens > h.hit_tokens and r.hit_tokens >= 3 * shared
+    assert r.num_copies >= 3                             # every later request copied its mid-block
+
+
+def test_forked_conversation_keeps_both_branches(smol_fp32, smol_tokenizer, one_thread):
+    prompt = chat_prompt_ids(smol_tokenizer, "Name a fruit.", system=SYSTEM)
+    assert len(prompt) % 16, "the fork point must be inside a block"
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = RadixEngine(smol_fp32, _config(smol_fp32))
+    parent = engine.add_request(prompt, sp)
+    engine.step()                                          # prefill; parent holds 1 sampled token
+    alt = smol_tokenizer.encode(" Banana", add_special_tokens=False)[0]
+    assert alt != parent.token_ids[-1]
+    child = engine.fork(parent, next_token=alt)            # both write position len(prompt) next
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.block_manager.num_copies == 1
+    ref = PrefixCachingEngine(smol_fp32, _config(smol_fp32))
+    rest = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)   # alt is the child's first
+    want = ref.generate([prompt, prompt + [alt]], [sp, rest])
+    assert parent.output_token_ids == want[0].output_token_ids
+    assert child.output_token_ids == [alt] + want[1].output_token_ids
+    with pytest.raises(ValueError, match="parent"):
+        engine.fork(parent)                                # finished: nothing to share
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3_dir):
+    return load_model(tiny_qwen3_dir, torch.float32)
+
+
+def test_batched_engine_under_preemption_equals_lesson13(tiny, one_thread):
+    g = torch.Generator().manual_seed(3)
+    stem = torch.randint(5, tiny.config.vocab_size, (21,), generator=g).tolist()
+    prompts = [stem[:n] + torch.randint(5, tiny.config.vocab_size, (m,), generator=g).tolist()
+               for n, m in ((21, 6), (14, 9), (21, 3), (7, 20), (18, 5), (21, 11))]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    config = _config(tiny, block_size=4, blocks=18, max_num_batched_tokens=24)
+    ref = staggered(GraphEngine(tiny, config, use_graph=False, pack_weights=False), prompts, sp)
+    engine = RadixGraphEngine(tiny, config, use_graph=False, pack_weights=False)
+    assert staggered(engine, prompts, sp) == ref
+    stats, bm = engine.stats(), engine.scheduler.block_manager
+    assert engine.scheduler.num_preemptions > 0 and bm.num_copies > 0
+    assert stats.prefix_cache_hits == bm.hit_tokens > 0 and stats.kv_blocks_used == 0
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request(stem * 3, SamplingParams(max_tokens=10))   # 73 tokens: 19 blocks > 18
