@@ -11,7 +11,8 @@ import argparse
 from step20_http_serve.server import build_server, serve
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, build=build_server) -> None:
+    """`build` makes (app, AsyncLLM) from the flags; a later lesson passes its own."""
     p = argparse.ArgumentParser(prog="python -m step20_http_serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: $MINIVLLM_MODEL, a cached "
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-body-mib", type=int, default=16, help="largest request body accepted")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
-    app, engine = build_server(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+    app, engine = build(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_bytes=args.kv_cache_mib * 2**20, enforce_eager=args.enforce_eager,
                                max_body_bytes=args.max_body_mib * 2**20)

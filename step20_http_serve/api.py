@@ -31,7 +31,9 @@ from step20_http_serve.responses import ChatRenderer, CompletionRenderer, Render
 CLIENT_CLOSED = 499      # nginx's code for "the client went away"; nobody reads it, logs do
 
 
-def build_app(llm: AsyncLLM, max_body_bytes: int = 16 * 2**20) -> FastAPI:
+def build_app(llm: AsyncLLM, max_body_bytes: int = 16 * 2**20, completion_request: type = CompletionRequest,
+              chat_request: type = ChatCompletionRequest) -> FastAPI:
+    """The app. A later lesson passes its own request classes (advanced lesson 02: penalties)."""
     app = FastAPI(title="mini-vllm", summary="lesson 20: an OpenAI-compatible server")
 
     @app.exception_handler(APIError)
@@ -69,7 +71,7 @@ def build_app(llm: AsyncLLM, max_body_bytes: int = 16 * 2**20) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = _parse(CompletionRequest, await _read_json(request, max_body_bytes), llm)
+        req = _parse(completion_request, await _read_json(request, max_body_bytes), llm)
         prompts = [p if isinstance(p, list) else llm.encode(p) for p in req.prompt]
         logprobs = req.logprobs
         work = [(ids, _params(req, llm.check_prompt(ids, req.max_tokens, "prompt"), logprobs)) for ids in prompts]
@@ -78,7 +80,7 @@ def build_app(llm: AsyncLLM, max_body_bytes: int = 16 * 2**20) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await _read_json(request, max_body_bytes), llm)
+        req = _parse(chat_request, await _read_json(request, max_body_bytes), llm)
         ids = llm.chat_ids([m.as_dict() for m in req.messages], req.chat_template_kwargs)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _params(req, llm.check_prompt(ids, req.max_new_tokens, "messages"), logprobs)

@@ -73,6 +73,10 @@ class _Common(BaseModel):
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed when stream is true", "stream_options")
+        self.check_penalties()
+
+    def check_penalties(self) -> None:
+        """Refused here; advanced lesson 02's requests accept them (it overrides this)."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise APIError(f"{name}: not supported by this server (only 0)", name)
