@@ -58,6 +58,8 @@ class GraphEngine(FlashEngine):
                 self.record_seconds = self.runner.record_all()
             if compile_mixed and self.runner.mode == "compile":
                 self.mixed = MixedStepRunner(model, self.kv_pool)
+                if record_now:
+                    self.record_seconds += self.mixed.warm_up(scratch)
 
     def run_model(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor) -> Tensor:
         bucket = self.runner.bucket_for(batch) if self.runner else None

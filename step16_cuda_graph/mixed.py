@@ -17,12 +17,17 @@ On this CPU a prompt step spent more of its time in those element-wise passes th
 matmuls (the profile is in the README). The linears and the attention kernel stay our own
 code, called through lesson 16's custom ops (ops.py), exactly as in the decode buckets.
 
-The compiler sees T as a symbol: the first prompt step compiles the body for its token count,
-the first step with another count recompiles it once with T symbolic ("automatic dynamic"),
-and every later step reuses that code. Steps of one token per sequence still go to the
+The compiler sees T as a symbol: a first call compiles the body for its token count, the
+first call with another count recompiles it once with T symbolic ("automatic dynamic"), and
+every later step reuses that code. `warm_up` makes those two calls before serving (fake
+steps that write only into the scratch block), so no request waits for the compiler. Steps of one token per sequence still go to the
 buckets; steps past the largest bucket come here too.
 """
 from __future__ import annotations
+
+import itertools
+import time
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +62,23 @@ class MixedStepRunner:
         self.body = torch.compile(_mixed_layer_body, dynamic=None, fullgraph=True,
                                   options={"emulate_precision_casts": True}, recompile_limit=16)
         self.steps = 0
+
+    def warm_up(self, scratch_block: int) -> float:
+        """Compile before serving, as the buckets are recorded: two fake steps whose tokens all
+        write into the scratch block, of two shapes, so that the second compiles the body with
+        the token count (and batch size, table width) symbolic. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        bs = self.pool.block_size
+        for lens in ((3, 4), (2, 5, 6)):          # 2 then 3 sequences: 7 then 13 tokens
+            nb = len(lens)                         # tables nb blocks wide (all the scratch block)
+            T = sum(lens)
+            offsets = torch.cat([torch.arange(n) for n in lens])
+            meta = SimpleNamespace(rows=self.pool.head_rows(scratch_block * bs + offsets % bs),
+                                   cu_seqlens_q=torch.tensor([0, *itertools.accumulate(lens)]),
+                                   seq_lens=torch.tensor(lens), block_tables=torch.full((nb, nb), scratch_block))
+            self.forward(torch.zeros(T, dtype=torch.long), offsets, meta)
+        self.steps = 0
+        return time.perf_counter() - t0
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: FlashPagedAttention) -> Tensor:
         """[T] ids -> [T, hidden], K/V written into the pool, as lesson 15's forward does."""

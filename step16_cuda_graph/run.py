@@ -44,8 +44,9 @@ def build_graph_engine(model) -> GraphEngine:
         print("runner: none (torch.compile does not work here): decode steps run eagerly\n")
         return engine
     print(f"runner: {runner.mode}, buckets {runner.buckets} (max_num_seqs=8)")
-    print(f"engine built in {time.perf_counter() - t0:.1f} s, of which recording the buckets "
-          f"{engine.record_seconds:.1f} s ({'warm' if warm else 'cold'} start: inductor cache {cache})\n")
+    print(f"engine built in {time.perf_counter() - t0:.1f} s, of which recording the buckets and "
+          f"compiling the prompt step {engine.record_seconds:.1f} s "
+          f"({'warm' if warm else 'cold'} start: inductor cache {cache})\n")
     return engine
 
 
