@@ -22,6 +22,8 @@
 //   acc += P V    4 rows x 64 columns of the accumulator stay in registers over the key tile.
 // bf16 K/V tiles are widened to float32 once per tile (exact). On this lesson's CPU, float32
 // FMAs do twice the work per cycle of the AVX512-BF16 dot-product instruction (README).
+#include <type_traits>
+
 #include "paged_decode.cpp"  // lesson 14: to_f32, store, dot_row, axpy_row, prefetch
 
 #include <vector>
@@ -244,6 +246,91 @@ void prefill_tile(const T* q, const T* kp, const T* vp, T* out, const Args& a, i
 }
 
 // ---------------------------------------------------------------------------------------
+// A decode's two per-block loops for bf16 with AVX512-BF16, for G heads of D = 32 * NV2:
+// each K row is loaded once for all G heads (the q rows sit in registers), and in P V the
+// G x D accumulators stay in registers over the block's keys while each V row is widened
+// once for all heads. The generic loops below load K and widen V once per head, and load
+// and store the accumulator for every key; on a Xeon with AMX that made decode attention
+// compute-bound below the memory's rate (advanced lesson 04 measures it).
+#if defined(__AVX512BF16__)
+template <int G, int NV2>
+void scores_block_bf16(const uint16_t* qh, const uint16_t* kb, const uint16_t* k_next, const uint16_t* v_next,
+                       int64_t cnt, int64_t bs, float scale, float* s) {
+  constexpr int D = 32 * NV2;
+  __m512bh qv[G][NV2];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV2; ++i) qv[g][i] = (__m512bh)_mm512_loadu_si512(qh + g * D + i * 32);
+  for (int64_t t = 0; t < cnt; ++t) {
+    if (k_next) prefetch(k_next + t * D, D), prefetch(v_next + t * D, D);
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int i = 0; i < NV2; ++i) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + t * D + i * 32);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], qv[g][i], kv);
+    }
+    for (int g = 0; g < G; ++g) s[g * bs + t] = _mm512_reduce_add_ps(acc[g]) * scale;
+  }
+}
+
+template <int G, int NV2>
+void pv_block_bf16(const float* s, const uint16_t* vb, int64_t cnt, int64_t bs, float* acc) {
+  constexpr int NV = 2 * NV2, D = 32 * NV2;
+  __m512 r[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) r[g][i] = _mm512_loadu_ps(acc + g * D + i * 16);
+  for (int64_t t = 0; t < cnt; ++t) {
+    __m512 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(s[g * bs + t]);
+    for (int i = 0; i < NV; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + t * D + i * 16));
+      const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      for (int g = 0; g < G; ++g) r[g][i] = _mm512_fmadd_ps(p[g], vf, r[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * D + i * 16, r[g][i]);
+}
+
+struct DecodeBlockFns {
+  void (*scores)(const uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, float, float*);
+  void (*pv)(const float*, const uint16_t*, int64_t, int64_t, float*);
+};
+
+template <int G>
+DecodeBlockFns block_fns_for(int64_t D) {
+  if (D == 128) return {scores_block_bf16<G, 4>, pv_block_bf16<G, 4>};
+  if (D == 64) return {scores_block_bf16<G, 2>, pv_block_bf16<G, 2>};
+  return {nullptr, nullptr};
+}
+
+inline DecodeBlockFns decode_block_fns(int64_t group, int64_t D) {  // {nullptr, nullptr}: the generic loops
+  switch (group) {
+    case 1: return block_fns_for<1>(D);
+    case 2: return block_fns_for<2>(D);
+    case 3: return block_fns_for<3>(D);
+    case 4: return block_fns_for<4>(D);
+    default: return {nullptr, nullptr};
+  }
+}
+#endif
+
+// One block's scores s[g][0..cnt) -> probabilities, with each head's running max, sum and
+// accumulator brought up to date (the online softmax of the prefill tiles, one row per head).
+inline void online_rescale(Scratch& w, float* s, int64_t cnt, int64_t bs, int64_t group, int64_t D, float* acc) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = s + g * bs;
+    float mx = w.m[g], sum = 0.f;
+    for (int64_t t = 0; t < cnt; ++t) mx = std::max(mx, sg[t]);
+    const float alpha = fast_exp(w.m[g] - mx);
+    #pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < cnt; ++t) sum += (sg[t] = fast_exp(sg[t] - mx));
+    w.l[g] = alpha * w.l[g] + sum;
+    w.m[g] = mx;
+    if (alpha != 1.f)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
+  }
+}
+
 // One decode: the single query row of each of the `group` heads, block by block, online.
 template <typename T>
 void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, int64_t b, int64_t h, Scratch& w) {
@@ -254,26 +341,29 @@ void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, in
   float* s = w.s.data();      // [group][bs]
   std::fill(acc, acc + group * D, 0.f);
   for (int64_t g = 0; g < group; ++g) w.m[g] = -INFINITY, w.l[g] = 0.f;
+#if defined(__AVX512BF16__)
+  DecodeBlockFns fast{nullptr, nullptr};
+  if constexpr (std::is_same_v<T, uint16_t>) fast = decode_block_fns(group, D);
+#endif
   for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
     const int64_t cnt = std::min(bs, len - start), piece = (table[j] * a.hkv + h) * bs * D;
     const int64_t next = start + bs < len ? (table[j + 1] * a.hkv + h) * bs * D : -1;
     const T *kb = kp + piece, *vb = vp + piece;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (fast.scores) {
+        fast.scores(qh, kb, next >= 0 ? kp + next : nullptr, next >= 0 ? vp + next : nullptr, cnt, bs, a.scale, s);
+        online_rescale(w, s, cnt, bs, group, D, acc);
+        fast.pv(s, vb, cnt, bs, acc);
+        continue;
+      }
+    }
+#endif
     for (int64_t t = 0; t < cnt; ++t) {
       if (next >= 0) prefetch(kp + next + t * D, D), prefetch(vp + next + t * D, D);
       for (int64_t g = 0; g < group; ++g) s[g * bs + t] = dot_row(qh + g * D, kb + t * D, D) * a.scale;
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = s + g * bs;
-      float mx = w.m[g], sum = 0.f;
-      for (int64_t t = 0; t < cnt; ++t) mx = std::max(mx, sg[t]);
-      const float alpha = fast_exp(w.m[g] - mx);
-      #pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < cnt; ++t) sum += (sg[t] = fast_exp(sg[t] - mx));
-      w.l[g] = alpha * w.l[g] + sum;
-      w.m[g] = mx;
-      if (alpha != 1.f)
-        for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
-    }
+    online_rescale(w, s, cnt, bs, group, D, acc);
     for (int64_t t = 0; t < cnt; ++t)
       for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * D, s[g * bs + t], vb + t * D, D);
   }

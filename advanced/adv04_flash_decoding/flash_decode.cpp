@@ -14,7 +14,8 @@
 // Both loops run inside one `omp parallel` region on torch's OpenMP threads (lesson 14 explains
 // why the kernel shares torch's libgomp); the barrier at the end of the first `omp for` is the
 // only synchronisation: every split is finished before any merge reads it.
-// lesson 15: fast_exp; through it lesson 14's paged_decode.cpp: to_f32, store, dot_row, axpy_row, prefetch
+// lesson 15: fast_exp, decode_block_fns; through it lesson 14's paged_decode.cpp: to_f32, store,
+// dot_row, axpy_row, prefetch
 #include "flash_attention.cpp"
 
 #include <memory>
@@ -38,11 +39,22 @@ void attend_range(const T* qh, const T* kp, const T* vp, const int64_t* table, c
   float m[kMaxGroup], l[kMaxGroup];
   std::fill(acc, acc + group * D, 0.f);
   for (int64_t g = 0; g < group; ++g) m[g] = -INFINITY, l[g] = 0.f;
+  // bf16 with AVX512-BF16: lesson 15's per-block loops (K loaded and V widened once for the
+  // whole group, accumulators in registers); the generic row loops otherwise.
+  bool fast = false;
+#if defined(__AVX512BF16__)
+  DecodeBlockFns fns{nullptr, nullptr};
+  if constexpr (std::is_same_v<T, uint16_t>) fns = decode_block_fns(group, D), fast = fns.scores != nullptr;
+#endif
   for (int64_t start = k0; start < k1; start += bs) {  // k0 is a multiple of bs: whole blocks
     const int64_t j = start / bs, cnt = std::min(bs, k1 - start), piece = (table[j] * a.hkv + h) * bs * D;
     const int64_t next = start + bs < k1 ? (table[j + 1] * a.hkv + h) * bs * D : -1;
     const T *kb = kp + piece, *vb = vp + piece;
-    for (int64_t t = 0; t < cnt; ++t) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, uint16_t>)
+      if (fast) fns.scores(qh, kb, next >= 0 ? kp + next : nullptr, next >= 0 ? vp + next : nullptr, cnt, bs, a.scale, s);
+#endif
+    for (int64_t t = 0; t < cnt && !fast; ++t) {
       if (next >= 0) prefetch(kp + next + t * D, D), prefetch(vp + next + t * D, D);
       for (int64_t g = 0; g < group; ++g) s[g * bs + t] = dot_row(qh + g * D, kb + t * D, D) * a.scale;
     }
@@ -58,6 +70,13 @@ void attend_range(const T* qh, const T* kp, const T* vp, const int64_t* table, c
       if (alpha != 1.f)
         for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
     }
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, uint16_t>)
+      if (fast) {
+        fns.pv(s, vb, cnt, bs, acc);
+        continue;
+      }
+#endif
     for (int64_t t = 0; t < cnt; ++t)
       for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * D, s[g * bs + t], vb + t * D, D);
   }
