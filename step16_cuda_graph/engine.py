@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from step05_naive.generate import check_prompt
+from step06_sampler.params import SamplingParams
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step14_batched_forward.packed_linear import PackedLinear, can_pack
 from step15_flash_attention.engine import FlashEngine
@@ -60,6 +62,21 @@ class GraphEngine(FlashEngine):
                 self.mixed = MixedStepRunner(model, self.kv_pool)
                 if record_now:
                     self.record_seconds += self.mixed.warm_up(scratch)
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None):
+        """Lesson 09's checks, plus one the scheduler cannot make: the scratch block is the
+        runner's, so a request must fit in the pool without it (else it would preempt itself
+        forever)."""
+        if self.runner is not None:
+            sp, cfg = params or SamplingParams(), self.model.config
+            check_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings, sp.max_tokens)
+            bm = self.scheduler.block_manager
+            need = bm.blocks_for(len(prompt_ids) + sp.max_tokens - 1)
+            if need > bm.num_blocks - 1:
+                raise ValueError(f"request needs up to {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "
+                                 f"{sp.max_tokens} - 1 tokens) but the pool has {bm.num_blocks - 1} for requests "
+                                 f"(of {bm.num_blocks}, one is the graph runner's scratch block): it could never finish")
+        return super().add_request(prompt_ids, params)
 
     def run_model(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor) -> Tensor:
         bucket = self.runner.bucket_for(batch) if self.runner else None

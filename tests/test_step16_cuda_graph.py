@@ -148,3 +148,21 @@ def test_bad_block_table_is_refused_before_the_kernel(tiny):
     seq.kv[0] = engine.kv_pool.num_blocks + 7                  # corrupt: a block outside the pool
     with pytest.raises(ValueError, match="outside the pool"):
         engine.runner.prepare(batch, 1)
+
+
+@needs_kernel
+def test_a_request_must_fit_without_the_scratch_block(tiny):
+    """The scheduler counts the whole pool; the runner keeps one block. A request needing every
+    block would preempt itself forever: it is refused up front, and one block less completes."""
+    engine = GraphEngine(tiny, _config(tiny, blocks=10, max_num_seqs=2), record_now=False)
+    assert engine.scheduler.block_manager.num_blocks == 10
+    prompt = _prompts(tiny, (20,))[0]
+    with pytest.raises(ValueError, match="scratch block"):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=21, ignore_eos=True))   # 40 tokens
+    assert not engine.has_unfinished()
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))  # 36 tokens
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished() and len(seq.output_token_ids) == 17
