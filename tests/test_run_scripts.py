@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = (sorted(ROOT.glob("step[0-9][0-9]_*/run.py"))
+SCRIPTS = (sorted(ROOT.glob("step[0-9][0-9]_*/run.py")) + sorted(ROOT.glob("advanced/adv[0-9][0-9]_*/run.py"))
            + [ROOT / "step14_batched_forward" / n for n in ("bench.py", "profile_decode.py", "microbench.py")]
            + [ROOT / "step15_flash_attention" / "bench.py"]
            + [ROOT / "step16_cuda_graph" / n for n in ("bench.py", "vllm_bench.py")]
