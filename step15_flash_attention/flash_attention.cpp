@@ -316,16 +316,18 @@ inline DecodeBlockFns decode_block_fns(int64_t group, int64_t D) {  // {nullptr,
 
 // One block's scores s[g][0..cnt) -> probabilities, with each head's running max, sum and
 // accumulator brought up to date (the online softmax of the prefill tiles, one row per head).
-inline void online_rescale(Scratch& w, float* s, int64_t cnt, int64_t bs, int64_t group, int64_t D, float* acc) {
+// m, l: each head's running max and sum (advanced lesson 04 calls it on a key range).
+inline void online_rescale(float* m, float* l, float* s, int64_t cnt, int64_t bs, int64_t group, int64_t D,
+                           float* acc) {
   for (int64_t g = 0; g < group; ++g) {
     float* sg = s + g * bs;
-    float mx = w.m[g], sum = 0.f;
+    float mx = m[g], sum = 0.f;
     for (int64_t t = 0; t < cnt; ++t) mx = std::max(mx, sg[t]);
-    const float alpha = fast_exp(w.m[g] - mx);
+    const float alpha = fast_exp(m[g] - mx);
     #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < cnt; ++t) sum += (sg[t] = fast_exp(sg[t] - mx));
-    w.l[g] = alpha * w.l[g] + sum;
-    w.m[g] = mx;
+    l[g] = alpha * l[g] + sum;
+    m[g] = mx;
     if (alpha != 1.f)
       for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
   }
@@ -353,7 +355,7 @@ void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, in
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (fast.scores) {
         fast.scores(qh, kb, next >= 0 ? kp + next : nullptr, next >= 0 ? vp + next : nullptr, cnt, bs, a.scale, s);
-        online_rescale(w, s, cnt, bs, group, D, acc);
+        online_rescale(w.m, w.l, s, cnt, bs, group, D, acc);
         fast.pv(s, vb, cnt, bs, acc);
         continue;
       }
@@ -363,7 +365,7 @@ void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, in
       if (next >= 0) prefetch(kp + next + t * D, D), prefetch(vp + next + t * D, D);
       for (int64_t g = 0; g < group; ++g) s[g * bs + t] = dot_row(qh + g * D, kb + t * D, D) * a.scale;
     }
-    online_rescale(w, s, cnt, bs, group, D, acc);
+    online_rescale(w.m, w.l, s, cnt, bs, group, D, acc);
     for (int64_t t = 0; t < cnt; ++t)
       for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * D, s[g * bs + t], vb + t * D, D);
   }

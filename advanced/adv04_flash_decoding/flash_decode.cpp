@@ -14,7 +14,7 @@
 // Both loops run inside one `omp parallel` region on torch's OpenMP threads (lesson 14 explains
 // why the kernel shares torch's libgomp); the barrier at the end of the first `omp for` is the
 // only synchronisation: every split is finished before any merge reads it.
-// lesson 15: fast_exp, decode_block_fns; through it lesson 14's paged_decode.cpp: to_f32, store,
+// lesson 15: fast_exp, online_rescale, decode_block_fns; through it lesson 14's paged_decode.cpp: to_f32, store,
 // dot_row, axpy_row, prefetch
 #include "flash_attention.cpp"
 
@@ -58,18 +58,7 @@ void attend_range(const T* qh, const T* kp, const T* vp, const int64_t* table, c
       if (next >= 0) prefetch(kp + next + t * D, D), prefetch(vp + next + t * D, D);
       for (int64_t g = 0; g < group; ++g) s[g * bs + t] = dot_row(qh + g * D, kb + t * D, D) * a.scale;
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = s + g * bs;
-      float mx = m[g], sum = 0.f;
-      for (int64_t t = 0; t < cnt; ++t) mx = std::max(mx, sg[t]);
-      const float alpha = fast_exp(m[g] - mx);  // rescale what this split summed so far
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < cnt; ++t) sum += (sg[t] = fast_exp(sg[t] - mx));
-      l[g] = alpha * l[g] + sum;
-      m[g] = mx;
-      if (alpha != 1.f)
-        for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
-    }
+    online_rescale(m, l, s, cnt, bs, group, D, acc);  // lesson 15's, on this split's own m, l
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, uint16_t>)
       if (fast) {
