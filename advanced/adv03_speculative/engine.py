@@ -178,5 +178,5 @@ class SpecEngine(SpeculativeMixin, PrefixCachingEngine):
 
 
 class SpecGraphEngine(SpeculativeMixin, GraphEngine):
-    """Lesson 16's engine with speculative decoding; verification steps run eagerly (their
-    sequences have 1 + k tokens each), plain decode steps through the graph runner."""
+    """Lesson 16's engine with speculative decoding: verification steps (1 + k tokens per
+    sequence) take lesson 16's prompt-step path, plain decode steps the graph runner."""
