@@ -109,6 +109,12 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return gen
 
 
+def row_argmax(x: Tensor) -> Tensor:
+    """x.argmax(dim=-1), the same indices (the first of equal maxima, NaN wins): torch's CPU
+    argmax over a [64, 151936] float32 batch takes ~6.5 ms on 2 threads, max(dim=-1) ~2.6 ms."""
+    return x.max(dim=-1).indices
+
+
 def exponential_race(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
     """Draw one token per row: argmax_i probs[i] / E_i with E_i ~ Exp(1).
 
@@ -129,7 +135,7 @@ def exponential_race(probs: Tensor, generators: list[torch.Generator | None]) ->
     # exponential_ may return exactly 0 (u = 0); clamp so p / q stays finite (0 / 0 = NaN
     # would win torch.argmax).
     q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.float().div(q).argmax(dim=-1)
+    return row_argmax(probs.float().div(q))
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -188,7 +194,7 @@ class Sampler:
             generators = [None] * len(params)
         if len(generators) != len(params):
             raise ValueError(f"got {len(generators)} generators for {len(params)} rows")
-        tokens = logits.argmax(dim=-1)                   # greedy rows are done here
+        tokens = row_argmax(logits)                      # greedy rows are done here
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(rows) == len(params):                     # no greedy row: the whole batch at once
             return exponential_race(self.filtered_logits(logits, params).softmax(dim=-1), generators)
