@@ -166,3 +166,40 @@ def test_a_request_must_fit_without_the_scratch_block(tiny):
             break
         engine.step()
     assert not engine.has_unfinished() and len(seq.output_token_ids) == 17
+
+
+@pytest.mark.skipif(flash_cpu.load() is None, reason="no C++ compiler: lesson 15's kernel is unavailable")
+def test_bf16_prompt_chunks_through_sdpa_match_the_kernel():
+    """A bf16 step mixing a fresh prompt, a later chunk of a prompt and two decodes: the op
+    (prompt chunks through SDPA, decodes through a sub-batch of lesson 15's kernel) gives
+    lesson 15's kernel's result on the whole batch, to bf16 rounding; decodes exactly."""
+    from step16_cuda_graph.ops import paged_attention
+    g = torch.Generator().manual_seed(0)
+    Hq, Hkv, D, bs = 4, 2, 64, 16
+    n_q, lens = [5, 1, 24, 1], [30, 17, 24, 40]      # later chunk, decode, fresh prompt, decode
+    pool_blocks = sum(-(-n // bs) for n in lens) + 1
+    k_cache = torch.randn(pool_blocks, Hkv, bs, D, generator=g).bfloat16()
+    v_cache = torch.randn(pool_blocks, Hkv, bs, D, generator=g).bfloat16()
+    perm = torch.randperm(pool_blocks, generator=g).tolist()
+    tables = torch.zeros(len(lens), 3, dtype=torch.long)
+    rows = []
+    for b, (n, L) in enumerate(zip(n_q, lens)):
+        for j in range(-(-L // bs)):
+            tables[b, j] = perm.pop()
+        for pos in range(L - n, L):                   # where this step's K/V rows land (head-major)
+            rows.append([(tables[b, pos // bs] * Hkv + h) * bs + pos % bs for h in range(Hkv)])
+    T = sum(n_q)
+    q = torch.randn(T, Hq, D, generator=g).bfloat16()
+    k = torch.randn(T, Hkv, D, generator=g).bfloat16()
+    v = torch.randn(T, Hkv, D, generator=g).bfloat16()
+    cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()])
+    rows = torch.tensor(rows).flatten()
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = paged_attention(q, k, v, kc, vc, rows, cu, torch.tensor(lens), tables)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_k.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
+    ref_v.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
+    ref = flash_cpu.flash_attention_cpu(q, ref_k, ref_v, cu, torch.tensor(lens), tables)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[5], ref[5]) and torch.equal(out[30], ref[30])   # the decodes: same kernel
