@@ -266,17 +266,25 @@ inline __m128 reduce_add_4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), d));
 }
 
+// Prefetch: a fixed 8 keys ahead of the scores loop, K and V, crossing into the next block
+// near this one's end. Asking for the whole next block a row per key (lesson 14's rule, kept
+// by the generic loops) puts the requests a block ahead and in 4 KB pieces; on the Xeon with
+// AMX the fixed distance read the pool ~8% faster (one-off test, block size 16).
 template <int G, int NV2>
-void scores_block_bf16(const uint16_t* qh, const uint16_t* kb, const uint16_t* k_next, const uint16_t* v_next,
-                       int64_t cnt, int64_t bs, float scale, float* s) {
+void scores_block_bf16(const uint16_t* qh, const uint16_t* kb, const uint16_t* vb, const uint16_t* k_next,
+                       const uint16_t* v_next, int64_t cnt, int64_t bs, float scale, float* s) {
   constexpr int D = 32 * NV2;
+  constexpr int64_t kAhead = 8;  // rows: K and V are asked for 8 keys (2 x 2 KB at D = 128) ahead
   __m512bh qv[G][NV2];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV2; ++i) qv[g][i] = (__m512bh)_mm512_loadu_si512(qh + g * D + i * 32);
   const __m128 sc = _mm_set1_ps(scale);
   int64_t t = 0;
   for (; t + 4 <= cnt; t += 4) {
-    if (k_next) prefetch(k_next + t * D, 4 * D), prefetch(v_next + t * D, 4 * D);
+    if (t + kAhead < cnt)
+      prefetch(kb + (t + kAhead) * D, 4 * D), prefetch(vb + (t + kAhead) * D, 4 * D);
+    else if (k_next)  // near the block's end, the next block's first rows
+      prefetch(k_next + (t + kAhead - cnt) * D, 4 * D), prefetch(v_next + (t + kAhead - cnt) * D, 4 * D);
     __m512 acc[G][4];
     for (int g = 0; g < G; ++g)
       for (int r = 0; r < 4; ++r) acc[g][r] = _mm512_setzero_ps();
@@ -289,7 +297,6 @@ void scores_block_bf16(const uint16_t* qh, const uint16_t* kb, const uint16_t* k
       _mm_storeu_ps(s + g * bs + t, _mm_mul_ps(reduce_add_4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc));
   }
   for (; t < cnt; ++t) {
-    if (k_next) prefetch(k_next + t * D, D), prefetch(v_next + t * D, D);
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int i = 0; i < NV2; ++i) {
@@ -341,7 +348,8 @@ void pv_block_bf16(const float* s, const uint16_t* vb, int64_t cnt, int64_t bs, 
 }
 
 struct DecodeBlockFns {
-  void (*scores)(const uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, float, float*);
+  void (*scores)(const uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t,
+                 float, float*);
   void (*pv)(const float*, const uint16_t*, int64_t, int64_t, float*);
 };
 
@@ -403,7 +411,7 @@ void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, in
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (fast.scores) {
-        fast.scores(qh, kb, next >= 0 ? kp + next : nullptr, next >= 0 ? vp + next : nullptr, cnt, bs, a.scale, s);
+        fast.scores(qh, kb, vb, next >= 0 ? kp + next : nullptr, next >= 0 ? vp + next : nullptr, cnt, bs, a.scale, s);
         online_rescale(w.m, w.l, s, cnt, bs, group, D, acc);
         fast.pv(s, vb, cnt, bs, acc);
         continue;

@@ -52,7 +52,8 @@ void attend_range(const T* qh, const T* kp, const T* vp, const int64_t* table, c
     const T *kb = kp + piece, *vb = vp + piece;
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, uint16_t>)
-      if (fast) fns.scores(qh, kb, next >= 0 ? kp + next : nullptr, next >= 0 ? vp + next : nullptr, cnt, bs, a.scale, s);
+      if (fast) fns.scores(qh, kb, vb, next >= 0 ? kp + next : nullptr, next >= 0 ? vp + next : nullptr, cnt, bs, a.scale,
+                 s);
 #endif
     for (int64_t t = 0; t < cnt && !fast; ++t) {
       if (next >= 0) prefetch(kp + next + t * D, D), prefetch(vp + next + t * D, D);
