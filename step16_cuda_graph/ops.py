@@ -27,7 +27,8 @@ from step15_flash_attention.flash_cpu import flash_attention_cpu
 @torch.library.custom_op("minivllm::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
                     cu_seqlens_q: Tensor, seq_lens: Tensor, block_tables: Tensor) -> Tensor:
-    """Write k/v [T, Hkv, D] at `rows` of the head-major pool, then lesson 15's kernel.
+    """Write k/v [T, Hkv, D] at `rows` of the head-major pool, then lesson 15's kernel (a bf16
+    step with prompt rows: `with_sdpa_prompts`).
 
     The runner checked the metadata once for the step (a check here would run every layer).
     """
