@@ -21,10 +21,12 @@ import asyncio
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence as Seq
+from typing import AsyncIterator, Callable, Sequence as Seq, TypeVar
 
 from step06_sampler.params import SamplingParams
 from step09_continuous_batching.sequence import Sequence, SequenceStatus
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,16 +62,51 @@ def abort(engine, seq: Sequence) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, engine):
-        """engine: any engine of lessons 09-17 (its step() returns the sequences that got a token)."""
+    def __init__(self, engine, threaded: bool = True):
+        """engine: any engine of lessons 09-17 (its step() returns the sequences that got a token).
+
+        threaded=False starts no engine thread: the caller drives the engine from its own
+        (main) thread with `drive(fn)`, which runs `fn` (the event loop) in a helper thread.
+        On a CPU that matters: oneDNN's matmuls called from a second thread ran at about one
+        core's speed on a 2-core machine (`thread_cost.py`), so the engine loop belongs in
+        the main thread, as in vLLM's engine-core process."""
         self.engine = engine
         self.error: BaseException | None = None
         self._inbox: deque[tuple[str, _Request]] = deque()
         self._live: dict[Sequence, _Request] = {}
         self._wake = threading.Event()
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None
+
+    def drive(self, fn: Callable[[], T]) -> T:
+        """Run `fn` (e.g. `lambda: asyncio.run(...)`) in a helper thread while this thread runs
+        the engine loop; return what `fn` returned once it is done (or raise what it raised)."""
+        if self._thread is not None:
+            raise RuntimeError("this front end runs its own engine thread; call fn directly")
+        result: list = []
+
+        def target() -> None:
+            try:
+                result.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller below
+                result.append((False, e))
+            finally:
+                self._wake.set()
+        helper = threading.Thread(target=target, name="event-loop", daemon=True)
+        helper.start()
+        self._loop(until=helper)
+        helper.join()
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value
 
     # ---- the caller's side (event loop) ----------------------------------------------------
     async def generate(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> AsyncIterator[TokenEvent]:
@@ -101,15 +138,19 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
     # ---- the engine thread ----------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, until: threading.Thread | None = None) -> None:
+        """The engine loop; with `until`, it returns once that thread has ended and no work is left."""
         engine = self.engine
         while not self._stop:
             self._wake.clear()
             self._drain_inbox()
             if not engine.has_unfinished():
+                if until is not None and not until.is_alive():
+                    return
                 self._wake.wait()
                 continue
             try:

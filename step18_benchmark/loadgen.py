@@ -58,6 +58,8 @@ def engine_sender(front: AsyncEngine) -> Sender:
             rec.success, rec.error = False, repr(e)
         rec.output_len, rec.end = len(rec.token_times), time.perf_counter()
         return rec
+    # A front end without its own engine thread is driven from this thread (sweep uses it).
+    send.drive = front.drive if not front.threaded else None
     return send
 
 
@@ -99,7 +101,10 @@ def sweep(send: Sender, requests: list[Request], rates: list[float], seed: int =
           slo: SLO | None = None) -> list[tuple[float, ServingResult, list[RequestRecord]]]:
     """The same requests at each rate, one rate after the other."""
     out = []
+    drive = getattr(send, "drive", None)     # engine_sender of an unthreaded front end
     for rate in rates:
-        records, duration = asyncio.run(run_load(send, requests, rate, seed))
+        def load(rate=rate):
+            return asyncio.run(run_load(send, requests, rate, seed))
+        records, duration = drive(load) if drive else load()
         out.append((rate, summarize(records, duration, slo), records))
     return out

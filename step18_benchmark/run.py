@@ -192,7 +192,7 @@ def main() -> None:
     from step16_cuda_graph.engine import GraphEngine
     model = load_model(folder, dtype)
     rates = args.rates or ([math.inf, 4, 2, 1] if args.full else [math.inf, 4, 2])
-    front = AsyncEngine(GraphEngine(model, setup_.paged(), use_graph=args.full))
+    front = AsyncEngine(GraphEngine(model, setup_.paged(), use_graph=args.full), threaded=False)
     try:
         report["online_name"] = "lesson 16"
         report["online"] = online(engine_sender(front), chat, rates, slo,

@@ -135,7 +135,8 @@ def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_pa
     rows = [r.to_dict() for r in results]
     assert plots.ladder_plot(rows, "tiny", tmp_path / "ladder.png").stat().st_size > 1000
 
-    front = AsyncEngine(GraphEngine(load_model(tiny_qwen3_dir, torch.float32), setup.paged(), use_graph=False))
+    front = AsyncEngine(GraphEngine(load_model(tiny_qwen3_dir, torch.float32), setup.paged(), use_graph=False),
+                        threaded=False)              # as run.py: the engine loop in this thread
     try:
         runs = sweep(engine_sender(front), [Request(p, 6) for p in prompts], [math.inf, 50.0])
     finally:

@@ -3,6 +3,7 @@ abandoned stream frees its KV blocks, and errors reach the callers."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -49,6 +50,24 @@ def test_concurrent_streams_equal_the_synchronous_engine(tiny):
         assert asyncio.run(main()) == ref
     finally:
         front.shutdown()
+
+
+def test_driven_from_the_main_thread_equals_the_synchronous_engine(tiny):
+    """threaded=False: the engine loop runs in this thread, the event loop in a helper one."""
+    prompts = _prompts(6, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True) for i in range(6)]
+    ref = [s.output_token_ids for s in _engine(tiny).generate(prompts, params)]
+    front = AsyncEngine(_engine(tiny), threaded=False)
+    main_thread = threading.get_ident()
+
+    async def main():
+        assert threading.get_ident() != main_thread          # the event loop is the helper's
+        return await asyncio.gather(*(collect(front, p, sp) for p, sp in zip(prompts, params)))
+    assert front.drive(lambda: asyncio.run(main())) == ref
+    assert not front.engine.has_unfinished()
+    with pytest.raises(ZeroDivisionError):                   # what fn raised reaches the caller
+        front.drive(lambda: 1 / 0)
+    front.shutdown()
 
 
 def test_abandoned_stream_is_aborted_and_frees_its_blocks(tiny):
