@@ -11,6 +11,10 @@ apart from the request handlers; this is the same shape on threads:
          '---- queue.put(TokenEvent) <------------ loop.call_soon_threadsafe(...)
     client gone -------- inbox: abort ----------> abort(engine, seq): blocks freed
 
+`AsyncEngine(engine, threaded=False)` swaps the two: `drive(fn)` runs the engine loop in the
+calling thread and `fn` (the event loop) in a helper thread; on a CPU that keeps oneDNN's
+matmuls in the main thread, where they are fastest (thread_cost.py).
+
 Only the engine thread touches the engine: requests and aborts wait in the inbox until the
 step in progress ends. An error inside `step()` reaches every open stream, and the front
 end refuses new requests afterwards (the engine's state is unknown).

@@ -12,7 +12,8 @@ from step20_http_serve.server import build_server, serve
 
 
 def main(argv: list[str] | None = None, build=build_server) -> None:
-    """`build` makes (app, AsyncLLM) from the flags; a later lesson passes its own."""
+    """`build` makes (app, AsyncLLM) from the flags (and threaded=False: the engine loop runs in
+    this thread, see `serve`); a later lesson passes its own."""
     p = argparse.ArgumentParser(prog="python -m step20_http_serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: $MINIVLLM_MODEL, a cached "
@@ -33,11 +34,11 @@ def main(argv: list[str] | None = None, build=build_server) -> None:
     app, engine = build(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_bytes=args.kv_cache_mib * 2**20, enforce_eager=args.enforce_eager,
-                               max_body_bytes=args.max_body_mib * 2**20)
+                               max_body_bytes=args.max_body_mib * 2**20, threaded=False)
     print(f"serving {engine.model_name!r} (context {engine.max_model_len} tokens) on http://{args.host}:{args.port}",
           flush=True)
     try:
-        serve(app, args.host, args.port, args.log_level)
+        serve(app, args.host, args.port, args.log_level, front=engine.front)
     finally:
         engine.shutdown()
 

@@ -47,9 +47,9 @@ class LogprobFrontEnd(AsyncEngine):
     so the consumer can read it from the Sequence; all this subclass adds is a way to find the
     Sequence: the request record of each "add", keyed by its (per-request) params object."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, threaded: bool = True):
         self._adds: dict[int, object] = {}       # id(params) -> lesson 18's request record
-        super().__init__(engine)
+        super().__init__(engine, threaded)
 
     def _post(self, kind: str, req) -> None:
         if kind == "add" and id(req.params) in self._adds:   # a request that stream() started
@@ -77,13 +77,15 @@ class LogprobFrontEnd(AsyncEngine):
 class AsyncLLM:
     """Lesson 19's LLM (tokenizer, chat template, engine) served to many concurrent callers."""
 
-    def __init__(self, llm, served_model_name: str | None = None):
+    def __init__(self, llm, served_model_name: str | None = None, threaded: bool = True):
+        """threaded=False: the engine loop runs where `serve` calls `front.drive` (the main
+        thread), uvicorn in a helper thread (lesson 18's thread_cost.py says why)."""
         self.llm, self.tokenizer = llm, llm.tokenizer
         self.model_name = served_model_name or str(llm.model_dir)
         self.max_model_len = llm.max_model_len
         self.vocab_size = llm.engine.model.config.vocab_size
         self.metrics = ServerMetrics(llm.engine, self.model_name)
-        self.front = LogprobFrontEnd(llm.engine)
+        self.front = LogprobFrontEnd(llm.engine, threaded)
         self._token_texts: dict[int, str] = {}
 
     def shutdown(self) -> None:
@@ -91,7 +93,8 @@ class AsyncLLM:
 
     @property
     def healthy(self) -> bool:
-        return self.front.error is None and self.front._thread.is_alive()
+        thread = self.front._thread                 # None: driven from the main thread
+        return self.front.error is None and (thread is None or thread.is_alive())
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

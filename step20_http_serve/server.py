@@ -1,12 +1,15 @@
 """Building and running the server: the LLM, the async layer, the app, uvicorn.
 
-`python -m step20_http_serve` runs uvicorn in the foreground (`serve`). Tests and run.py need
+`python -m step20_http_serve` runs the engine loop in the main thread and uvicorn beside it
+(`serve` with an unthreaded front end: lesson 18's thread_cost.py measured oneDNN's matmuls
+~2.5x slower from a second thread). Tests and run.py need
 the server next to their own code instead: `ServerThread` runs uvicorn in a thread on a socket
 bound beforehand (port 0: the OS picks a free port, so parallel runs never collide) and stops
 it cleanly on exit.
 """
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -20,11 +23,12 @@ from step20_http_serve.async_llm import AsyncLLM
 
 def build_server(model: str | None = None, *, served_model_name: str | None = None, dtype: str = "auto",
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
-                 enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20):
-    """(the FastAPI app, its AsyncLLM); call the AsyncLLM's shutdown() when done serving."""
+                 enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True):
+    """(the FastAPI app, its AsyncLLM); call the AsyncLLM's shutdown() when done serving.
+    threaded=False: `serve` must run it (the engine loop in the calling thread)."""
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager)
-    engine = AsyncLLM(llm, served_model_name)
+    engine = AsyncLLM(llm, served_model_name, threaded)
     return build_app(engine, max_body_bytes=max_body_bytes), engine
 
 
@@ -56,5 +60,23 @@ class ServerThread:
         self.sock.close()
 
 
-def serve(app, host: str, port: int, log_level: str = "info") -> None:
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+def serve(app, host: str, port: int, log_level: str = "info", front=None) -> None:
+    """uvicorn in the foreground; with an unthreaded front end (lesson 18's `threaded=False`),
+    uvicorn runs in a helper thread and this thread runs the engine loop until uvicorn stops.
+    Ctrl+C / SIGTERM then only ask uvicorn to stop (a flag, set between bytecodes), so no
+    engine step is ever interrupted halfway; in-flight requests finish, as uvicorn's own
+    graceful shutdown lets them."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    if front is None or front.threaded:
+        server.run()
+        return
+
+    def stop(signum, frame) -> None:
+        server.should_exit = True
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        front.drive(server.run)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

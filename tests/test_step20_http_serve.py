@@ -306,3 +306,44 @@ def test_metrics_parse_and_move(server):
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         assert after[f"vllm:{h}_count"] == before[f"vllm:{h}_count"] + 1
     assert after["vllm:inter_token_latency_seconds_count"] == before["vllm:inter_token_latency_seconds_count"] + 4
+
+
+def test_python_m_serves_with_the_engine_in_the_main_thread_and_stops_on_sigint(smol_dir):
+    """`python -m step20_http_serve`: the engine loop in the main thread, uvicorn in a helper
+    thread; a request is answered, /health is 200, and Ctrl+C (SIGINT) ends it cleanly."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:                         # a free port (released just before use)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "step20_http_serve", "--model", str(smol_dir), "--port", str(port),
+                             "--dtype", "fp32", "--enforce-eager", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.3)
+        body = json.dumps({"model": str(smol_dir), "prompt": "The capital of France is", "max_tokens": 5,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 5 and out["choices"][0]["text"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
