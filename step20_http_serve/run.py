@@ -140,8 +140,9 @@ def main() -> None:
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}\nmodel: {folder} ({args.dtype})")
     t0 = time.perf_counter()
     app, engine = build_server(str(folder), served_model_name=folder.name, dtype=args.dtype,
-                               enforce_eager=not args.compile)
-    try:
+                               enforce_eager=not args.compile, threaded=False)
+
+    def session() -> None:          # uvicorn and the clients; the engine loop is this thread's
         with ServerThread(app) as url:
             print(f"server up at {url} after {time.perf_counter() - t0:.1f} s (model load"
                   f"{' + decode-step compile' if args.compile else ''})")
@@ -174,6 +175,9 @@ def main() -> None:
             for line in metrics.splitlines():
                 if line.startswith("vllm:") and "_bucket" not in line and "_created" not in line:
                     print(f"  {line}")
+
+    try:
+        engine.front.drive(session)  # the engine loop in the main thread (lesson 18: thread_cost.py)
     finally:
         engine.shutdown()
     print(f"\nload average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
