@@ -95,6 +95,7 @@ class AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("this front end runs its own engine thread; call fn directly")
         result: list = []
+        done = threading.Event()             # set before the wake-up: no race with the loop's check
 
         def target() -> None:
             try:
@@ -102,10 +103,11 @@ class AsyncEngine:
             except BaseException as e:  # noqa: BLE001 - handed back to the caller below
                 result.append((False, e))
             finally:
+                done.set()
                 self._wake.set()
         helper = threading.Thread(target=target, name="event-loop", daemon=True)
         helper.start()
-        self._loop(until=helper)
+        self._loop(until=done)
         helper.join()
         ok, value = result[0]
         if not ok:
@@ -146,14 +148,14 @@ class AsyncEngine:
             self._thread.join(timeout=30)
 
     # ---- the engine thread ----------------------------------------------------------------
-    def _loop(self, until: threading.Thread | None = None) -> None:
-        """The engine loop; with `until`, it returns once that thread has ended and no work is left."""
+    def _loop(self, until: threading.Event | None = None) -> None:
+        """The engine loop; with `until`, it returns once that event is set and no work is left."""
         engine = self.engine
         while not self._stop:
             self._wake.clear()
             self._drain_inbox()
             if not engine.has_unfinished():
-                if until is not None and not until.is_alive():
+                if until is not None and until.is_set():
                     return
                 self._wake.wait()
                 continue
