@@ -110,8 +110,8 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 
 
 def row_argmax(x: Tensor) -> Tensor:
-    """x.argmax(dim=-1), the same indices (the first of equal maxima, NaN wins): torch's CPU
-    argmax over a [64, 151936] float32 batch takes ~6.5 ms on 2 threads, max(dim=-1) ~2.6 ms."""
+    """x.argmax(dim=-1), the same indices (the first of equal maxima, NaN wins); on the CPU
+    torch's max(dim=-1) reduction was faster than its argmax over [64, 151936] rows."""
     return x.max(dim=-1).indices
 
 
@@ -177,7 +177,7 @@ class Sampler:
         probs = self.filtered_logits(logits, params).softmax(dim=-1)
         greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=logits.device)
         if greedy.any():
-            one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+            one_hot = torch.zeros_like(probs).scatter_(1, row_argmax(logits).unsqueeze(1), 1.0)
             probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
         return probs
 

@@ -269,7 +269,7 @@ inline __m128 reduce_add_4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 // Prefetch: a fixed 8 keys ahead of the scores loop, K and V, crossing into the next block
 // near this one's end. Asking for the whole next block a row per key (lesson 14's rule, kept
 // by the generic loops) puts the requests a block ahead and in 4 KB pieces; on the Xeon with
-// AMX the fixed distance read the pool ~8% faster (one-off test, block size 16).
+// AMX the fixed distance read the pool faster (one-off test, block size 16).
 template <int G, int NV2>
 void scores_block_bf16(const uint16_t* qh, const uint16_t* kb, const uint16_t* vb, const uint16_t* k_next,
                        const uint16_t* v_next, int64_t cnt, int64_t bs, float scale, float* s) {

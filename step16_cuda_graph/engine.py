@@ -12,8 +12,7 @@ What changes against lesson 15:
     one read of them per step instead of a reorder and a read;
   - the step's logits are written into a float32 buffer kept from step to step: a fresh
     64 x 151,936 float32 tensor is 39 MB, above glibc's largest mmap threshold (32 MiB), so
-    each step got new pages from the kernel, zeroed, one page fault each (~7 ms at batch 64,
-    more than the head's own conversion to float32).
+    each step got new pages from the kernel, zeroed, one page fault each.
 `use_graph=False` is lesson 15's engine, with the packed head; `compile_mixed=False` keeps
 the buckets and runs prompt steps eagerly.
 """

@@ -44,8 +44,7 @@ def with_sdpa_prompts(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
                       seq_lens: Tensor, block_tables: Tensor) -> Tensor:
     """A bf16 step with prompt rows: each prompt chunk goes to torch's SDPA, whose CPU flash
     kernel does its matmuls through oneDNN (AMX tiles where the CPU has them; lesson 15's
-    kernel uses AVX-512 FMAs: 4.4 vs 1.9 ms for one 512-token prompt and layer of the
-    Qwen3-0.6B shape on a Xeon with AMX). A chunk that starts its prompt attends to the step's
+    kernel uses AVX-512 FMAs; `bench.py prefill` measures the difference). A chunk that starts its prompt attends to the step's
     own k and v, causally; a later chunk to its whole prefix, copied out of the pool (the
     chunk's rows were just written there), under a causal mask aligned to the last key.
     Decodes stay with lesson 15's kernel, on a sub-batch of just those sequences. bf16 only:
