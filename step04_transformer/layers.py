@@ -31,8 +31,13 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
+    def project_gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Two matmuls of the same input (lesson 16 makes them one)."""
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project_gate_up(x)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class RotaryEmbedding(nn.Module):

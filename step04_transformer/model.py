@@ -48,11 +48,15 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """[T, hidden] -> q [T, nh, hd], k and v [T, nkv, hd]: three matmuls (lesson 16 makes them one)."""
+        T = x.shape[0]
+        return (self.q_proj(x).view(T, self.nh, self.hd), self.k_proj(x).view(T, self.nkv, self.hd),
+                self.v_proj(x).view(T, self.nkv, self.hd))
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.nh, self.hd)
-        k = self.k_proj(x).view(T, self.nkv, self.hd)
-        v = self.v_proj(x).view(T, self.nkv, self.hd)
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope_qk(q, k, cos, sin)

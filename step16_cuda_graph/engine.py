@@ -7,6 +7,8 @@ What changes against lesson 15:
     write to, so no padding ever touches a live sequence's K/V;
   - on a CPU, steps with prompt tokens go through one more compiled layer body whose token
     count is dynamic (mixed.py): the element-wise work around the matmuls fused;
+  - where lesson 14 packed the linears (bf16, CPU), q/k/v and gate/up become one packed
+    matmul each (fused.py): 4 oneDNN calls a layer instead of 7, the same numbers;
   - the tied LM head gets its own oneDNN-packed copy of the embedding matrix (bf16), like
     the other linears since lesson 14: one more copy of vocab x hidden weights in memory,
     one read of them per step instead of a reorder and a read;
@@ -26,6 +28,7 @@ from step06_sampler.params import SamplingParams
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step14_batched_forward.packed_linear import PackedLinear, can_pack
 from step15_flash_attention.engine import FlashEngine
+from step16_cuda_graph.fused import fuse_projections
 from step16_cuda_graph.mixed import MixedStepRunner
 from step16_cuda_graph.ops import route_packed_linears
 from step16_cuda_graph.runner import GraphRunner, compile_works
@@ -54,8 +57,10 @@ class GraphEngine(FlashEngine):
         self.runner: GraphRunner | None = None
         self.mixed: MixedStepRunner | None = None
         self.record_seconds = 0.0
+        self.num_fused = 0
         on_cuda = self.kv_pool.k[0].device.type == "cuda"
         if use_graph and (on_cuda or (self.attention.name == "cpu" and compile_works())):
+            self.num_fused = fuse_projections(model)   # q|k|v and gate|up: one matmul each (fused.py)
             route_packed_linears(model)           # packed linears through the custom op
             # Never handed to a sequence: padded rows of a bucket write their K/V here.
             scratch = self.scheduler.block_manager._take_free_block()

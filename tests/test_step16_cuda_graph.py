@@ -203,3 +203,41 @@ def test_bf16_prompt_chunks_through_sdpa_match_the_kernel():
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(out[5], ref[5]) and torch.equal(out[30], ref[30])   # the decodes: same kernel
+
+
+def test_fused_projections_give_the_same_numbers(tiny_qwen3_dir):
+    """bf16, packed as lesson 14 packs: q|k|v and gate|up as one matmul each change no bit of the
+    forward pass; float32 (not packed) and a model fused already are left alone."""
+    from step14_batched_forward.packed_linear import can_pack, pack_linears
+    from step16_cuda_graph.fused import FusedQKVAttention, FusedSwiGLU, fuse_projections
+    if not can_pack(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packing on this CPU")
+    plain, fused = (load_model(tiny_qwen3_dir, torch.bfloat16) for _ in range(2))
+    pack_linears(plain), pack_linears(fused)
+    layers = plain.config.num_layers
+    assert fuse_projections(fused) == 2 * layers and fuse_projections(fused) == 0
+    assert all(type(layer.self_attn) is FusedQKVAttention and type(layer.mlp) is FusedSwiGLU
+               for layer in fused.model.layers)
+    ids = torch.tensor(_prompts(plain, (37,))[0])
+    with torch.inference_mode():
+        assert torch.equal(plain(ids, torch.arange(37)), fused(ids, torch.arange(37)))
+    assert fuse_projections(load_model(tiny_qwen3_dir, torch.float32)) == 0
+
+
+@needs_kernel
+def test_bf16_engine_fuses_and_gives_the_tokens_of_the_unfused_one(monkeypatch, tiny_qwen3_dir):
+    from step14_batched_forward.packed_linear import can_pack
+    if not can_pack(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packing on this CPU")
+    model = load_model(tiny_qwen3_dir, torch.bfloat16)
+    prompts = _prompts(model, (3, 40, 17, 9))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cfg = PagedSchedulerConfig(block_size=4, kv_cache_bytes=60 * KVPool.bytes_per_block(model.config, 4, torch.bfloat16),
+                               max_num_seqs=4, max_num_batched_tokens=16)
+    with monkeypatch.context() as m:
+        m.setattr(engine_module, "fuse_projections", lambda model: 0)
+        unfused = GraphEngine(load_model(tiny_qwen3_dir, torch.bfloat16), cfg)
+        ref = [s.output_token_ids for s in unfused.generate(prompts, sp)]
+    engine = GraphEngine(model, cfg)
+    assert unfused.num_fused == 0 and engine.num_fused == 2 * model.config.num_layers
+    assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref

@@ -1,0 +1,82 @@
+"""One matmul where the model reads the same input two or three times: q/k/v, and gate/up.
+
+Every layer projects its normalised input three times (q, k, v) and, in the MLP, twice (gate,
+up). Stacking those weights row-wise gives one larger matrix whose output holds the small
+outputs side by side; slicing it costs nothing (views):
+
+    x [T, 1024] @ [q 2048 | k 1024 | v 1024]^T  ->  [T, 4096] = q | k | v
+    x [T, 1024] @ [gate 3072 | up 3072]^T       ->  [T, 6144] = gate | up
+
+Each output column is still the dot product of x with one weight row, so the numbers are the
+same as before (checked bit for bit in the tests). What changes is the number of calls: 4
+linears a layer instead of 7, 112 oneDNN calls a step instead of 196 on Qwen3-0.6B. In a decode
+step each call has a fixed cost (dispatch, splitting the work across the cores, starting the
+memory streams again), and at 64 rows those costs are a good part of the call. vLLM builds its
+models this way (QKVParallelLinear, MergedColumnParallelLinear).
+
+Only lesson 14's packed bf16 linears are fused (the CPU path this lesson compiles); float32
+models and anything another lesson put in their place (quantized, tensor-parallel) are left
+as they are.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from step04_transformer.layers import SwiGLU
+from step04_transformer.model import SelfAttention
+from step14_batched_forward.packed_linear import PackedLinear
+
+
+def stacked(parts: list[PackedLinear]) -> PackedLinear:
+    """One PackedLinear whose weight rows are those of `parts`, in order (bias too, if any)."""
+    weights = [p.packed.to_dense() for p in parts]          # oneDNN's layout back to [out, in]
+    linear = nn.Linear(parts[0].in_features, sum(w.shape[0] for w in weights), bias=parts[0].bias is not None,
+                       device="meta")
+    linear.weight = nn.Parameter(torch.cat(weights), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return PackedLinear(linear)
+
+
+class FusedQKVAttention(SelfAttention):
+    """Lesson 04's attention with q, k and v from one matmul."""
+
+    def __init__(self, attn: SelfAttention):
+        nn.Module.__init__(self)
+        self.layer_idx, self.nh, self.nkv, self.hd = attn.layer_idx, attn.nh, attn.nkv, attn.hd
+        self.qkv_proj = stacked([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj, self.q_norm, self.k_norm = attn.o_proj, attn.q_norm, attn.k_norm
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        return q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
+
+
+class FusedSwiGLU(SwiGLU):
+    """Lesson 04's MLP with gate and up from one matmul."""
+
+    def __init__(self, mlp: SwiGLU):
+        nn.Module.__init__(self)
+        self.gate_up_proj = stacked([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+
+    def project_gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.gate_up_proj(x).chunk(2, dim=-1)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Replace, in place, every attention and MLP whose projections are all lesson 14's
+    PackedLinear by its fused version; returns how many modules were replaced. A model fused
+    already (an engine built on it before) has nothing left to replace."""
+    done = 0
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn) is SelfAttention and all(type(m) is PackedLinear for m in (attn.q_proj, attn.k_proj, attn.v_proj)):
+            layer.self_attn = FusedQKVAttention(attn)
+            done += 1
+        if type(mlp) is SwiGLU and all(type(m) is PackedLinear for m in (mlp.gate_proj, mlp.up_proj)):
+            layer.mlp = FusedSwiGLU(mlp)
+            done += 1
+    return done
