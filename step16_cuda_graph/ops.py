@@ -16,12 +16,19 @@ compiler then keeps the write in order and never copies the pool to stay "functi
 """
 from __future__ import annotations
 
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from step14_batched_forward import kernel as lesson14_kernel
 from step14_batched_forward.packed_linear import PackedLinear
 from step15_flash_attention.flash_cpu import flash_attention_cpu
+
+AMX_SOURCE = Path(__file__).with_name("amx_prefill.cpp")
 
 
 @torch.library.custom_op("minivllm::paged_attention", mutates_args=("k_cache", "v_cache"))
@@ -42,36 +49,77 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
 
 def with_sdpa_prompts(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor,
                       seq_lens: Tensor, block_tables: Tensor) -> Tensor:
-    """A bf16 step with prompt rows: each prompt chunk goes to torch's SDPA, whose CPU flash
-    kernel does its matmuls through oneDNN (AMX tiles where the CPU has them; lesson 15's
-    kernel uses AVX-512 FMAs; `bench.py prefill` measures the difference). A chunk that starts its prompt attends to the step's
-    own k and v, causally; a later chunk to its whole prefix, copied out of the pool (the
-    chunk's rows were just written there), under a causal mask aligned to the last key.
-    Decodes stay with lesson 15's kernel, on a sub-batch of just those sequences. bf16 only:
-    in float32 the tests hold the engine to lesson 15 exactly."""
+    """A bf16 step with prompt rows: the prompt chunks go to a matrix unit, the decodes to lesson
+    15's kernel (a sub-batch of just those sequences).
+
+    Prompt chunks: on a CPU with AMX tiles, one call of amx_prefill.cpp for all of them (keys
+    read from the pool, where this step's rows were just written); elsewhere torch's SDPA chunk
+    by chunk, whose CPU flash kernel does its matmuls through oneDNN. A chunk that starts its
+    prompt attends to the step's own k and v, causally; a later chunk to its whole prefix,
+    copied out of the pool, under a causal mask aligned to the last key. bf16 only: in float32
+    the tests hold the engine to lesson 15 exactly. `bench.py prefill` measures these paths."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
-    bs, decodes = k_cache.shape[2], []
-    for b, L in enumerate(lens):
-        s, e = cu[b], cu[b + 1]
-        if e - s == 1:
-            decodes.append(b)
-            continue
-        if e - s == L:                                # the whole prefix is this step's rows
-            keys, values, mask = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), None
-        else:                                         # [blocks, Hkv, bs, D] -> [Hkv, L, D]
-            blocks = block_tables[b, :-(-L // bs)]
-            keys, values = (c[blocks].transpose(0, 1).flatten(1, 2)[:, :L] for c in (k_cache, v_cache))
-            mask = torch.ones(e - s, L, dtype=torch.bool).tril(L - (e - s))   # query i sees keys <= L-n+i
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
-                                           values.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=True)
-        out[s:e] = o[0].transpose(0, 1)
+    bs = k_cache.shape[2]
+    decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
+    if amx_prefill_fits(q, k_cache):
+        amx_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
+    else:
+        for b, L in enumerate(lens):
+            s, e = cu[b], cu[b + 1]
+            if e - s == 1:
+                continue
+            if e - s == L:                                # the whole prefix is this step's rows
+                keys, values, mask = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), None
+            else:                                         # [blocks, Hkv, bs, D] -> [Hkv, L, D]
+                blocks = block_tables[b, :-(-L // bs)]
+                keys, values = (c[blocks].transpose(0, 1).flatten(1, 2)[:, :L] for c in (k_cache, v_cache))
+                mask = torch.ones(e - s, L, dtype=torch.bool).tril(L - (e - s))   # query i sees keys <= L-n+i
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
+                                               values.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=True)
+            out[s:e] = o[0].transpose(0, 1)
     if decodes:
         rows, idx = torch.tensor([cu[b] for b in decodes]), torch.tensor(decodes)
         out[rows] = flash_attention_cpu(q[rows], k_cache, v_cache, torch.arange(len(decodes) + 1),
                                         seq_lens[idx], block_tables[idx], check=False)
     return out
+
+
+@lru_cache(maxsize=None)
+def amx_library() -> ctypes.CDLL | None:
+    """amx_prefill.cpp built for this CPU, or None where it has no AMX tiles (or no compiler,
+    or MINIVLLM_KERNEL=0)."""
+    lib = lesson14_kernel.build_or_warn(AMX_SOURCE, "AMX prompt attention unavailable, using torch's SDPA")
+    if lib is None:
+        return None
+    lib.amx_prefill_available.restype = ctypes.c_int64
+    if not lib.amx_prefill_available():
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.amx_prefill_bf16.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
+    lib.amx_prefill_bf16.restype = None
+    return lib
+
+
+def amx_prefill_fits(q: Tensor, k_cache: Tensor) -> bool:
+    """bf16, head_dim a multiple of 32 up to 256, at most 32 query heads per KV head, AMX here."""
+    group, D = q.shape[1] // k_cache.shape[1], q.shape[2]
+    return (q.dtype == torch.bfloat16 and D % 32 == 0 and D <= 256 and group <= 32
+            and amx_library() is not None)
+
+
+def amx_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
+                block_tables: Tensor, out: Tensor) -> None:
+    """Rows of `out` of every sequence with more than one query row (metadata checked by the caller)."""
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    q = q.contiguous()
+    num_blocks, Hkv, bs, D = k_cache.shape
+    cu, lens, tables = cu_seqlens_q.contiguous(), seq_lens.contiguous(), block_tables.contiguous()
+    amx_library().amx_prefill_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cu.data_ptr(),
+                                   lens.data_ptr(), tables.data_ptr(), out.data_ptr(), len(lens), tables.shape[1],
+                                   Hkv, q.shape[1] // Hkv, bs, D, D ** -0.5)
 
 
 @paged_attention.register_fake

@@ -1,0 +1,265 @@
+// Prompt-chunk attention on AMX tiles (Intel Sapphire Rapids and later), bf16.
+//
+// Lesson 15's kernel multiplies with float32 FMAs, 16 lanes at a time. An AMX core has eight
+// tile registers of 16 rows x 64 bytes and one instruction, TDPBF16PS, that multiplies a
+// 16 x 32 bf16 tile by a 32 x 16 one into a 16 x 16 float32 tile: 8,192 multiply-adds, where
+// an FMA does 16. Decodes (one query row per head) cannot fill a tile and stay with lesson
+// 15's kernel; prompt chunks have the rows.
+//
+// One call does every prompt chunk of the step (sequences with more than one query row):
+//
+//   1. pack   per (sequence, KV head), keys 0..L-1 are read from the paged pool once and
+//             laid out the way the tile unit reads its right-hand operand ("VNNI": the two
+//             bf16 of a 32-bit pair are neighbours along the reduced dimension):
+//               K^T  tile (16 keys, 32 dims):  row r = key 0 dims 2r,2r+1 | key 1 ... | key 15
+//               V    tile (32 keys, 16 dims):  row r = keys 2r,2r+1 of dim 0 | dim 1 | ... 15
+//             Keys past L, up to the 32-key tile, are zeros (and masked).
+//   2. tiles  work item = (sequence, KV head, 32/group queries): M = 32 rows (query, head),
+//             keys in tiles of 32 up to the item's last position (causal), online softmax:
+//               S[32 x 32]  = Q K^T       4 accumulator tiles, D/32 steps of 2 A + 2 B tiles
+//               softmax     on S in AVX-512: scale, causal mask, running max/sum, P in bf16
+//               O[32 x D]  += P V         per 16 dims: 2 accumulators loaded from O, 1 B tile
+//   3. out    O / sum, rounded to bf16, into the rows of the chunk.
+//
+// Built with -march=native: on a CPU without AMX the tile code is compiled out and
+// amx_prefill_available() returns 0 (the caller then uses torch's SDPA).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HAVE_AMX 0
+#endif
+
+typedef uint16_t bf16;   // raw bits
+
+#if HAVE_AMX
+namespace {
+
+constexpr int64_t kRows = 32;   // rows of a work item: queries x heads of one KV head
+constexpr int64_t kKeys = 32;   // keys per key tile
+
+struct TileConfig {              // the 64-byte layout LDTILECFG reads (palette 1)
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {         // all 8 tiles: 16 rows x 64 bytes
+  TileConfig c;
+  for (int i = 0; i < 8; ++i) { c.colsb[i] = 64; c.rows[i] = 16; }
+  _tile_loadconfig(&c);
+}
+
+inline float bf16_to_f32(bf16 x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+
+// exp for 16 lanes: 2^n * e^r, n = round(x log2 e), e^r by a degree-6 polynomial (as lesson
+// 15's scalar fast_exp); x = -inf (masked) gives 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  __m512 xc = _mm512_max_ps(x, lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);   // ln 2 in two parts (Cody-Waite)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 e = _mm512_scalef_ps(p, n);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), e, _mm512_setzero_ps());
+}
+
+inline void store_bf16x16(bf16* dst, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+struct Args {
+  const bf16 *q, *kp, *vp;
+  const int64_t *cu, *lens, *tables;
+  bf16* out;
+  int64_t max_blocks, Hkv, group, bs, D;
+  float scale;
+};
+
+// Step 1: keys 0..L-1 of (sequence b, KV head h) into the K^T and V tile layouts above.
+void pack(const Args& a, int64_t b, int64_t h, int64_t L, bf16* kt, bf16* vt) {
+  const int64_t D = a.D, tiles = (L + kKeys - 1) / kKeys;
+  const int64_t* table = a.tables + b * a.max_blocks;
+  std::memset(kt, 0, tiles * kKeys * D * sizeof(bf16));
+  std::memset(vt, 0, tiles * kKeys * D * sizeof(bf16));
+  for (int64_t p = 0; p < L; ++p) {
+    const int64_t row = (table[p / a.bs] * a.Hkv + h) * a.bs + p % a.bs;    // pool row of key p
+    const uint32_t* k = reinterpret_cast<const uint32_t*>(a.kp + row * D);
+    const bf16* v = a.vp + row * D;
+    // K^T: key p is column (p % 16) of the 16-key group p / 16; dim pair j sits in tile
+    // (group, j / 16) at row j % 16. Tiles are 16 x 16 pairs (1 KB), groups of D/32 tiles.
+    uint32_t* kg = reinterpret_cast<uint32_t*>(kt) + (p / 16) * (D / 2) * 16;
+    for (int64_t j = 0; j < D / 2; ++j) kg[(j / 16) * 256 + (j % 16) * 16 + p % 16] = k[j];
+    // V: key p is half (p % 2) of pair row (p % 32) / 2 in the 32-key tile p / 32; dim d is in
+    // tile (p / 32, d / 16) at column d % 16. Tiles are 16 rows x 32 bf16 (1 KB).
+    bf16* vg = vt + (p / kKeys) * (D / 16) * 512 + ((p % kKeys) / 2) * 32 + p % 2;
+    for (int64_t d = 0; d < D; ++d) vg[(d / 16) * 512 + (d % 16) * 2] = v[d];
+  }
+}
+
+// Step 2 and 3 for one work item: queries i0 .. i0+nq-1 of sequence b's chunk, KV head h.
+void item(const Args& a, int64_t b, int64_t h, int64_t i0, int64_t nq, const bf16* kt, const bf16* vt) {
+  const int64_t D = a.D, G = a.group, s = a.cu[b], n = a.cu[b + 1] - s, L = a.lens[b];
+  const int64_t first = L - n;                   // position of the chunk's first query
+  const int64_t Hq = a.Hkv * G;
+  alignas(64) bf16 qa[kRows * 256];              // Q rows (query, head), D <= 256
+  alignas(64) float st[kRows * kKeys];           // scores of one key tile
+  alignas(64) bf16 pa[kRows * kKeys];            // probabilities, bf16, the A operand of P V
+  alignas(64) float o[kRows * 256];              // output accumulator
+  float mx[kRows], sum[kRows];
+  int64_t pos[kRows];
+  const int64_t M = nq * G;
+  for (int64_t m = 0; m < kRows; ++m) {
+    const int64_t i = m < M ? m / G : nq - 1;    // padded rows repeat the last query
+    pos[m] = first + i0 + i;
+    const bf16* src = a.q + ((s + i0 + i) * Hq + h * G + (m < M ? m % G : 0)) * D;
+    std::memcpy(qa + m * D, src, D * sizeof(bf16));
+    mx[m] = -INFINITY;
+    sum[m] = 0.f;
+  }
+  std::memset(o, 0, sizeof(float) * kRows * D);
+  const int64_t last = first + i0 + nq - 1;
+  const int64_t ktiles = last / kKeys + 1;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t t = 0; t < ktiles; ++t) {
+    // S = Q K^T on tiles: tmm0..3 accumulate, tmm4/5 = Q rows 0-15/16-31, tmm6/7 = 16-key groups.
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const bf16* k0 = kt + (2 * t) * (D / 2) * 32;
+    const bf16* k1 = kt + (2 * t + 1) * (D / 2) * 32;
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(4, qa + c * 32, D * 2);
+      _tile_loadd(5, qa + 16 * D + c * 32, D * 2);
+      _tile_loadd(6, k0 + c * 512, 64);
+      _tile_loadd(7, k1 + c * 512, 64);
+      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, st, kKeys * 4); _tile_stored(1, st + 16, kKeys * 4);
+    _tile_stored(2, st + 16 * kKeys, kKeys * 4); _tile_stored(3, st + 16 * kKeys + 16, kKeys * 4);
+    // Online softmax, one row at a time (32 keys = two 16-lane vectors).
+    const __m512i key0 = _mm512_add_epi32(_mm512_set1_epi32(int(t * kKeys)),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
+    const bool diagonal = (t + 1) * kKeys - 1 > pos[0];   // some key of the tile is past some query
+    for (int64_t m = 0; m < kRows; ++m) {
+      __m512 x0 = _mm512_mul_ps(_mm512_load_ps(st + m * kKeys), scale);
+      __m512 x1 = _mm512_mul_ps(_mm512_load_ps(st + m * kKeys + 16), scale);
+      if (diagonal) {
+        const __m512i p = _mm512_set1_epi32(int(pos[m]));
+        x0 = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key0, p), x0, _mm512_set1_ps(-INFINITY));
+        x1 = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key1, p), x1, _mm512_set1_ps(-INFINITY));
+      }
+      const float new_mx = std::max(mx[m], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+      const __m512 nm = _mm512_set1_ps(new_mx);
+      const __m512 p0 = exp16(_mm512_sub_ps(x0, nm)), p1 = exp16(_mm512_sub_ps(x1, nm));
+      const float alpha = mx[m] == -INFINITY ? 0.f : __builtin_expf(mx[m] - new_mx);
+      sum[m] = sum[m] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      mx[m] = new_mx;
+      if (alpha != 1.f) {
+        const __m512 al = _mm512_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(o + m * D + d, _mm512_mul_ps(_mm512_load_ps(o + m * D + d), al));
+      }
+      _mm512_store_si512(pa + m * kKeys, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    // O += P V: tmm4/5 = P rows 0-15/16-31 (32 keys), per 16 dims tmm6 = V tile, tmm0/1 = O.
+    _tile_loadd(4, pa, kKeys * 2);
+    _tile_loadd(5, pa + 16 * kKeys, kKeys * 2);
+    const bf16* vtile = vt + t * (D / 16) * 512;
+    for (int64_t e = 0; e < D / 16; ++e) {
+      _tile_loadd(0, o + e * 16, D * 4);
+      _tile_loadd(1, o + 16 * D + e * 16, D * 4);
+      _tile_loadd(6, vtile + e * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_stored(0, o + e * 16, D * 4);
+      _tile_stored(1, o + 16 * D + e * 16, D * 4);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512 inv = _mm512_set1_ps(1.f / sum[m]);
+    bf16* dst = a.out + ((s + i0 + m / G) * Hq + h * G + m % G) * D;
+    for (int64_t d = 0; d < D; d += 16) store_bf16x16(dst + d, _mm512_mul_ps(_mm512_load_ps(o + m * D + d), inv));
+  }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// 1 when the tile code is compiled in and the kernel let this process use the tiles
+// (Linux hands out the 8 KB of tile state per process, on request: arch_prctl).
+int64_t amx_prefill_available() {
+#if HAVE_AMX
+  static const int64_t ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+#else
+  return 0;
+#endif
+}
+
+// Attention of every sequence b with more than one query row (cu[b+1] - cu[b] > 1): q, out
+// [T, Hkv*group, D] contiguous; pools [num_blocks, Hkv, bs, D]; rows of other sequences untouched.
+void amx_prefill_bf16(const bf16* q, const bf16* kp, const bf16* vp, const int64_t* cu, const int64_t* lens,
+                      const int64_t* tables, bf16* out, int64_t B, int64_t max_blocks, int64_t Hkv,
+                      int64_t group, int64_t bs, int64_t D, float scale) {
+#if HAVE_AMX
+  const Args a{q, kp, vp, cu, lens, tables, out, max_blocks, Hkv, group, bs, D, scale};
+  const int64_t q_tile = kRows / group;          // queries per item
+  struct Chunk { int64_t b, offset; };           // offset: of (b, head 0) in the packed buffers
+  std::vector<Chunk> chunks;
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    if (cu[b + 1] - cu[b] < 2) continue;
+    chunks.push_back({b, total});
+    total += Hkv * ((lens[b] + kKeys - 1) / kKeys) * kKeys * D;
+  }
+  if (chunks.empty()) return;
+  std::vector<bf16> kt(total), vt(total);
+  const int64_t nc = chunks.size();
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t w = 0; w < nc * Hkv; ++w) {
+    const Chunk& c = chunks[w / Hkv];
+    const int64_t h = w % Hkv, L = lens[c.b], per_head = ((L + kKeys - 1) / kKeys) * kKeys * D;
+    pack(a, c.b, h, L, kt.data() + c.offset + h * per_head, vt.data() + c.offset + h * per_head);
+  }
+  std::vector<int64_t> items;                    // (chunk, head, first query) flattened
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    const int64_t n = cu[chunks[ci].b + 1] - cu[chunks[ci].b];
+    for (int64_t i0 = n - 1 - ((n - 1) % q_tile); i0 >= 0; i0 -= q_tile)   // longest items first
+      for (int64_t h = 0; h < Hkv; ++h) { items.push_back(ci); items.push_back(h); items.push_back(i0); }
+  }
+  const int64_t ni = items.size() / 3;
+#pragma omp parallel
+  {
+    configure_tiles();
+#pragma omp for schedule(dynamic)
+    for (int64_t w = 0; w < ni; ++w) {
+      const Chunk& c = chunks[items[3 * w]];
+      const int64_t h = items[3 * w + 1], i0 = items[3 * w + 2];
+      const int64_t n = cu[c.b + 1] - cu[c.b], L = lens[c.b];
+      const int64_t per_head = ((L + kKeys - 1) / kKeys) * kKeys * D;
+      item(a, c.b, h, i0, std::min(q_tile, n - i0), kt.data() + c.offset + h * per_head,
+           vt.data() + c.offset + h * per_head);
+    }
+    _tile_release();
+  }
+#endif
+}
+
+}  // extern "C"
