@@ -26,7 +26,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -44,7 +46,7 @@ typedef uint16_t bf16;   // raw bits
 namespace {
 
 constexpr int64_t kRows = 32;   // rows of a work item: queries x heads of one KV head
-constexpr int64_t kKeys = 32;   // keys per key tile
+constexpr int64_t kKeys = 64;   // keys per key tile
 
 struct TileConfig {              // the 64-byte layout LDTILECFG reads (palette 1)
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -91,28 +93,49 @@ struct Args {
   float scale;
 };
 
-// Step 1: keys 0..L-1 of (sequence b, KV head h) into the K^T and V tile layouts above.
+inline int64_t padded(int64_t L) { return (L + kKeys - 1) / kKeys * kKeys; }
+
+// Step 1: keys 0..L-1 of (sequence b, KV head h) into the K^T and V tile layouts above; keys
+// L..padded(L)-1 are zeros.
 void pack(const Args& a, int64_t b, int64_t h, int64_t L, bf16* kt, bf16* vt) {
-  const int64_t D = a.D, tiles = (L + kKeys - 1) / kKeys;
+  const int64_t D = a.D, P = padded(L);
   const int64_t* table = a.tables + b * a.max_blocks;
-  std::memset(kt, 0, tiles * kKeys * D * sizeof(bf16));
-  std::memset(vt, 0, tiles * kKeys * D * sizeof(bf16));
-  for (int64_t p = 0; p < L; ++p) {
-    const int64_t row = (table[p / a.bs] * a.Hkv + h) * a.bs + p % a.bs;    // pool row of key p
-    const uint32_t* k = reinterpret_cast<const uint32_t*>(a.kp + row * D);
-    const bf16* v = a.vp + row * D;
-    // K^T: key p is column (p % 16) of the 16-key group p / 16; dim pair j sits in tile
-    // (group, j / 16) at row j % 16. Tiles are 16 x 16 pairs (1 KB), groups of D/32 tiles.
-    uint32_t* kg = reinterpret_cast<uint32_t*>(kt) + (p / 16) * (D / 2) * 16;
-    for (int64_t j = 0; j < D / 2; ++j) kg[(j / 16) * 256 + (j % 16) * 16 + p % 16] = k[j];
-    // V: key p is half (p % 2) of pair row (p % 32) / 2 in the 32-key tile p / 32; dim d is in
-    // tile (p / 32, d / 16) at column d % 16. Tiles are 16 rows x 32 bf16 (1 KB).
-    bf16* vg = vt + (p / kKeys) * (D / 16) * 512 + ((p % kKeys) / 2) * 32 + p % 2;
-    for (int64_t d = 0; d < D; ++d) vg[(d / 16) * 512 + (d % 16) * 2] = v[d];
+  auto key_row = [&](const bf16* pool, int64_t p) { return pool + ((table[p / a.bs] * a.Hkv + h) * a.bs + p % a.bs) * D; };
+  alignas(64) bf16 keys[16 * 256];
+  const __m512i by_key = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(int(D / 2)));
+  for (int64_t g = 0; g < P / 16; ++g) {
+    // K^T: 16 keys copied side by side, then each tile row (one dim pair of all 16 keys) is a
+    // gather of one 32-bit pair per key. Tiles (group g, dims 32c..32c+31) are 16 x 16 pairs.
+    for (int64_t n = 0; n < 16; ++n) {
+      const int64_t p = g * 16 + n;
+      if (p < L) std::memcpy(keys + n * D, key_row(a.kp, p), D * sizeof(bf16));
+      else std::memset(keys + n * D, 0, D * sizeof(bf16));
+    }
+    const int* k32 = reinterpret_cast<const int*>(keys);
+    int* kg = reinterpret_cast<int*>(kt) + g * (D / 2) * 16;
+    for (int64_t j = 0; j < D / 2; ++j)
+      _mm512_store_si512(kg + (j / 16) * 256 + (j % 16) * 16, _mm512_i32gather_epi32(by_key, k32 + j, 4));
+  }
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t p = 0; p < P; p += 2) {
+    // V: keys p and p+1 interleaved, 16 dims at a time: the 64-byte row (p % 32) / 2 of tile
+    // (p / 32, dims 16e..16e+15).
+    const bf16* v0 = p < L ? key_row(a.vp, p) : nullptr;
+    const bf16* v1 = p + 1 < L ? key_row(a.vp, p + 1) : nullptr;
+    bf16* dst = vt + (p / 32) * (D / 16) * 512 + ((p % 32) / 2) * 32;
+    for (int64_t e = 0; e < D / 16; ++e) {
+      const __m256i x0 = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * e)) : zero;
+      const __m256i x1 = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * e)) : zero;
+      const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(x0), _mm512_slli_epi32(_mm512_cvtepu16_epi32(x1), 16));
+      _mm512_store_si512(dst + e * 512, pair);
+    }
   }
 }
 
 // Step 2 and 3 for one work item: queries i0 .. i0+nq-1 of sequence b's chunk, KV head h.
+// Tile registers: S = Q K^T in 0-3 (A: Q in 4, 5; B: K^T in 6, 7), 32 keys at a time;
+// O += P V with O in 0, 1 (A: P in 4, 5 and 2, 3 for keys 0-31 and 32-63; B: V in 6, 7).
 void item(const Args& a, int64_t b, int64_t h, int64_t i0, int64_t nq, const bf16* kt, const bf16* vt) {
   const int64_t D = a.D, G = a.group, s = a.cu[b], n = a.cu[b + 1] - s, L = a.lens[b];
   const int64_t first = L - n;                   // position of the chunk's first query
@@ -136,56 +159,65 @@ void item(const Args& a, int64_t b, int64_t h, int64_t i0, int64_t nq, const bf1
   const int64_t last = first + i0 + nq - 1;
   const int64_t ktiles = last / kKeys + 1;
   const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t t = 0; t < ktiles; ++t) {
-    // S = Q K^T on tiles: tmm0..3 accumulate, tmm4/5 = Q rows 0-15/16-31, tmm6/7 = 16-key groups.
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    const bf16* k0 = kt + (2 * t) * (D / 2) * 32;
-    const bf16* k1 = kt + (2 * t + 1) * (D / 2) * 32;
-    for (int64_t c = 0; c < D / 32; ++c) {
-      _tile_loadd(4, qa + c * 32, D * 2);
-      _tile_loadd(5, qa + 16 * D + c * 32, D * 2);
-      _tile_loadd(6, k0 + c * 512, 64);
-      _tile_loadd(7, k1 + c * 512, 64);
-      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    for (int64_t half = 0; half < 2; ++half) {   // keys 32 * half .. + 31 of the tile
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      const bf16* k0 = kt + (4 * t + 2 * half) * (D / 2) * 32;
+      const bf16* k1 = k0 + (D / 2) * 32;
+      for (int64_t c = 0; c < D / 32; ++c) {
+        _tile_loadd(4, qa + c * 32, D * 2);
+        _tile_loadd(5, qa + 16 * D + c * 32, D * 2);
+        _tile_loadd(6, k0 + c * 512, 64);
+        _tile_loadd(7, k1 + c * 512, 64);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+      }
+      float* sh = st + 32 * half;
+      _tile_stored(0, sh, kKeys * 4); _tile_stored(1, sh + 16, kKeys * 4);
+      _tile_stored(2, sh + 16 * kKeys, kKeys * 4); _tile_stored(3, sh + 16 * kKeys + 16, kKeys * 4);
     }
-    _tile_stored(0, st, kKeys * 4); _tile_stored(1, st + 16, kKeys * 4);
-    _tile_stored(2, st + 16 * kKeys, kKeys * 4); _tile_stored(3, st + 16 * kKeys + 16, kKeys * 4);
-    // Online softmax, one row at a time (32 keys = two 16-lane vectors).
-    const __m512i key0 = _mm512_add_epi32(_mm512_set1_epi32(int(t * kKeys)),
-                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
+    // Online softmax, one row at a time (64 keys = four 16-lane vectors).
     const bool diagonal = (t + 1) * kKeys - 1 > pos[0];   // some key of the tile is past some query
     for (int64_t m = 0; m < kRows; ++m) {
-      __m512 x0 = _mm512_mul_ps(_mm512_load_ps(st + m * kKeys), scale);
-      __m512 x1 = _mm512_mul_ps(_mm512_load_ps(st + m * kKeys + 16), scale);
-      if (diagonal) {
-        const __m512i p = _mm512_set1_epi32(int(pos[m]));
-        x0 = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key0, p), x0, _mm512_set1_ps(-INFINITY));
-        x1 = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key1, p), x1, _mm512_set1_ps(-INFINITY));
+      __m512 x[4];
+      for (int j = 0; j < 4; ++j) {
+        x[j] = _mm512_mul_ps(_mm512_load_ps(st + m * kKeys + 16 * j), scale);
+        if (diagonal) {
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int(t * kKeys + 16 * j)));
+          x[j] = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(int(pos[m]))), x[j],
+                                      _mm512_set1_ps(-INFINITY));
+        }
       }
-      const float new_mx = std::max(mx[m], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+      const float tile_mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+      const float new_mx = std::max(mx[m], tile_mx);
       const __m512 nm = _mm512_set1_ps(new_mx);
-      const __m512 p0 = exp16(_mm512_sub_ps(x0, nm)), p1 = exp16(_mm512_sub_ps(x1, nm));
-      const float alpha = mx[m] == -INFINITY ? 0.f : __builtin_expf(mx[m] - new_mx);
-      sum[m] = sum[m] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      mx[m] = new_mx;
-      if (alpha != 1.f) {
+      __m512 p[4];
+      for (int j = 0; j < 4; ++j) p[j] = exp16(_mm512_sub_ps(x[j], nm));
+      if (new_mx > mx[m]) {                      // a new running max: rescale what came before
+        const float alpha = mx[m] == -INFINITY ? 0.f : __builtin_expf(mx[m] - new_mx);
         const __m512 al = _mm512_set1_ps(alpha);
         for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(o + m * D + d, _mm512_mul_ps(_mm512_load_ps(o + m * D + d), al));
+        sum[m] *= alpha;
+        mx[m] = new_mx;
       }
-      _mm512_store_si512(pa + m * kKeys, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      sum[m] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])));
+      _mm512_store_si512(pa + m * kKeys, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+      _mm512_store_si512(pa + m * kKeys + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
     }
-    // O += P V: tmm4/5 = P rows 0-15/16-31 (32 keys), per 16 dims tmm6 = V tile, tmm0/1 = O.
     _tile_loadd(4, pa, kKeys * 2);
     _tile_loadd(5, pa + 16 * kKeys, kKeys * 2);
-    const bf16* vtile = vt + t * (D / 16) * 512;
+    _tile_loadd(2, pa + 32, kKeys * 2);
+    _tile_loadd(3, pa + 16 * kKeys + 32, kKeys * 2);
+    const bf16* v0 = vt + (2 * t) * (D / 16) * 512;
+    const bf16* v1 = v0 + (D / 16) * 512;
     for (int64_t e = 0; e < D / 16; ++e) {
       _tile_loadd(0, o + e * 16, D * 4);
       _tile_loadd(1, o + 16 * D + e * 16, D * 4);
-      _tile_loadd(6, vtile + e * 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(6, v0 + e * 512, 64);
+      _tile_loadd(7, v1 + e * 512, 64);
+      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 5, 6);
+      _tile_dpbf16ps(0, 2, 7); _tile_dpbf16ps(1, 3, 7);
       _tile_stored(0, o + e * 16, D * 4);
       _tile_stored(1, o + 16 * D + e * 16, D * 4);
     }
@@ -227,16 +259,19 @@ void amx_prefill_bf16(const bf16* q, const bf16* kp, const bf16* vp, const int64
   for (int64_t b = 0; b < B; ++b) {
     if (cu[b + 1] - cu[b] < 2) continue;
     chunks.push_back({b, total});
-    total += Hkv * ((lens[b] + kKeys - 1) / kKeys) * kKeys * D;
+    total += Hkv * padded(lens[b]) * D;
   }
   if (chunks.empty()) return;
-  std::vector<bf16> kt(total), vt(total);
+  struct Free { void operator()(bf16* p) const { std::free(p); } };   // 64-byte aligned: whole-line stores
+  const std::unique_ptr<bf16[], Free> kbuf(static_cast<bf16*>(std::aligned_alloc(64, total * sizeof(bf16)))),
+      vbuf(static_cast<bf16*>(std::aligned_alloc(64, total * sizeof(bf16))));
+  bf16 *kt = kbuf.get(), *vt = vbuf.get();
   const int64_t nc = chunks.size();
 #pragma omp parallel for schedule(dynamic)
   for (int64_t w = 0; w < nc * Hkv; ++w) {
     const Chunk& c = chunks[w / Hkv];
-    const int64_t h = w % Hkv, L = lens[c.b], per_head = ((L + kKeys - 1) / kKeys) * kKeys * D;
-    pack(a, c.b, h, L, kt.data() + c.offset + h * per_head, vt.data() + c.offset + h * per_head);
+    const int64_t h = w % Hkv, L = lens[c.b], per_head = padded(L) * D;
+    pack(a, c.b, h, L, kt + c.offset + h * per_head, vt + c.offset + h * per_head);
   }
   std::vector<int64_t> items;                    // (chunk, head, first query) flattened
   for (int64_t ci = 0; ci < nc; ++ci) {
@@ -253,9 +288,9 @@ void amx_prefill_bf16(const bf16* q, const bf16* kp, const bf16* vp, const int64
       const Chunk& c = chunks[items[3 * w]];
       const int64_t h = items[3 * w + 1], i0 = items[3 * w + 2];
       const int64_t n = cu[c.b + 1] - cu[c.b], L = lens[c.b];
-      const int64_t per_head = ((L + kKeys - 1) / kKeys) * kKeys * D;
-      item(a, c.b, h, i0, std::min(q_tile, n - i0), kt.data() + c.offset + h * per_head,
-           vt.data() + c.offset + h * per_head);
+      const int64_t per_head = padded(L) * D;
+      item(a, c.b, h, i0, std::min(q_tile, n - i0), kt + c.offset + h * per_head,
+           vt + c.offset + h * per_head);
     }
     _tile_release();
   }
