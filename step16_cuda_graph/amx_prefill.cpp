@@ -17,7 +17,7 @@
 //   2. tiles  work item = (sequence, KV head, 32/group queries): M = 32 rows (query, head),
 //             keys in tiles of 32 up to the item's last position (causal), online softmax:
 //               S[32 x 32]  = Q K^T       4 accumulator tiles, D/32 steps of 2 A + 2 B tiles
-//               softmax     on S in AVX-512: scale, causal mask, running max/sum, P in bf16
+//               softmax     on S in AVX-512 (base 2): scale, causal mask, running max/sum, P in bf16
 //               O[32 x D]  += P V         per 16 dims: 2 accumulators loaded from O, 1 B tile
 //   3. out    O / sum, rounded to bf16, into the rows of the chunk.
 //
@@ -62,23 +62,22 @@ void configure_tiles() {         // all 8 tiles: 16 rows x 64 bytes
 
 inline float bf16_to_f32(bf16 x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
-// exp for 16 lanes: 2^n * e^r, n = round(x log2 e), e^r by a degree-6 polynomial (as lesson
-// 15's scalar fast_exp); x = -inf (masked) gives 0.
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  __m512 xc = _mm512_max_ps(x, lo);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);   // ln 2 in two parts (Cody-Waite)
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+// 2^z for 16 lanes: 2^n * 2^r with n = round(z), |r| <= 1/2, 2^r by its Taylor series in
+// r ln 2 to degree 5 (relative error below 3e-6: P is rounded to bf16 anyway). The softmax works
+// in base 2 (scores times scale * log2 e), which saves the multiply of an e^x. z = -inf
+// (a masked key) gives 0.
+inline __m512 exp2_16(__m512 z) {
+  const __m512 lo = _mm512_set1_ps(-126.0f);
+  const __m512 zc = _mm512_max_ps(z, lo);
+  const __m512 n = _mm512_roundscale_ps(zc, _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_sub_ps(zc, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);                       // ln2^5 / 120
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));        // ln2^4 / 24
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));        // ln2^3 / 6
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));        // ln2^2 / 2
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));        // ln2
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  __m512 e = _mm512_scalef_ps(p, n);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), e, _mm512_setzero_ps());
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(z, lo, _CMP_GE_OQ), p, n);
 }
 
 inline void store_bf16x16(bf16* dst, __m512 x) {
@@ -144,7 +143,8 @@ void item(const Args& a, int64_t b, int64_t h, int64_t i0, int64_t nq, const bf1
   alignas(64) float st[kRows * kKeys];           // scores of one key tile
   alignas(64) bf16 pa[kRows * kKeys];            // probabilities, bf16, the A operand of P V
   alignas(64) float o[kRows * 256];              // output accumulator
-  float mx[kRows], sum[kRows];
+  float mx[kRows];                               // running max, base-2 units
+  alignas(64) float sum[kRows * 16];             // running sums, 16 lanes each (reduced at the end)
   int64_t pos[kRows];
   const int64_t M = nq * G;
   for (int64_t m = 0; m < kRows; ++m) {
@@ -153,12 +153,12 @@ void item(const Args& a, int64_t b, int64_t h, int64_t i0, int64_t nq, const bf1
     const bf16* src = a.q + ((s + i0 + i) * Hq + h * G + (m < M ? m % G : 0)) * D;
     std::memcpy(qa + m * D, src, D * sizeof(bf16));
     mx[m] = -INFINITY;
-    sum[m] = 0.f;
   }
+  std::memset(sum, 0, sizeof(sum));
   std::memset(o, 0, sizeof(float) * kRows * D);
   const int64_t last = first + i0 + nq - 1;
   const int64_t ktiles = last / kKeys + 1;
-  const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512 scale = _mm512_set1_ps(a.scale * 1.44269504f);   // scores to base 2
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t t = 0; t < ktiles; ++t) {
     for (int64_t half = 0; half < 2; ++half) {   // keys 32 * half .. + 31 of the tile
@@ -193,15 +193,15 @@ void item(const Args& a, int64_t b, int64_t h, int64_t i0, int64_t nq, const bf1
       const float new_mx = std::max(mx[m], tile_mx);
       const __m512 nm = _mm512_set1_ps(new_mx);
       __m512 p[4];
-      for (int j = 0; j < 4; ++j) p[j] = exp16(_mm512_sub_ps(x[j], nm));
+      for (int j = 0; j < 4; ++j) p[j] = exp2_16(_mm512_sub_ps(x[j], nm));
+      __m512 sm = _mm512_load_ps(sum + 16 * m);
       if (new_mx > mx[m]) {                      // a new running max: rescale what came before
-        const float alpha = mx[m] == -INFINITY ? 0.f : __builtin_expf(mx[m] - new_mx);
-        const __m512 al = _mm512_set1_ps(alpha);
+        const __m512 al = _mm512_set1_ps(mx[m] == -INFINITY ? 0.f : __builtin_exp2f(mx[m] - new_mx));
         for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(o + m * D + d, _mm512_mul_ps(_mm512_load_ps(o + m * D + d), al));
-        sum[m] *= alpha;
+        sm = _mm512_mul_ps(sm, al);
         mx[m] = new_mx;
       }
-      sum[m] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])));
+      _mm512_store_ps(sum + 16 * m, _mm512_add_ps(sm, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]))));
       _mm512_store_si512(pa + m * kKeys, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
       _mm512_store_si512(pa + m * kKeys + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
     }
@@ -223,7 +223,7 @@ void item(const Args& a, int64_t b, int64_t h, int64_t i0, int64_t nq, const bf1
     }
   }
   for (int64_t m = 0; m < M; ++m) {
-    const __m512 inv = _mm512_set1_ps(1.f / sum[m]);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sum + 16 * m)));
     bf16* dst = a.out + ((s + i0 + m / G) * Hq + h * G + m % G) * D;
     for (int64_t d = 0; d < D; d += 16) store_bf16x16(dst + d, _mm512_mul_ps(_mm512_load_ps(o + m * D + d), inv));
   }
