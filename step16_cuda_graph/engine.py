@@ -60,7 +60,7 @@ class GraphEngine(FlashEngine):
         self.num_fused = 0
         on_cuda = self.kv_pool.k[0].device.type == "cuda"
         if use_graph and (on_cuda or (self.attention.name == "cpu" and compile_works())):
-            self.num_fused = fuse_projections(model)   # q|k|v and gate|up: one matmul each (fused.py)
+            self.num_fused = fuse_projections(model, kernels=True)   # q|k|v and gate|up: one matmul each (fused.py)
             route_packed_linears(model)           # packed linears through the custom op
             # Never handed to a sequence: padded rows of a bucket write their K/V here.
             scratch = self.scheduler.block_manager._take_free_block()

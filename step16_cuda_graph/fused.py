@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from step04_transformer.layers import SwiGLU
 from step04_transformer.model import SelfAttention
 from step14_batched_forward.packed_linear import PackedLinear
+from step16_cuda_graph.ops import elementwise_fits
 
 
 def stacked(parts: list[PackedLinear]) -> PackedLinear:
@@ -42,11 +43,24 @@ def stacked(parts: list[PackedLinear]) -> PackedLinear:
 class FusedQKVAttention(SelfAttention):
     """Lesson 04's attention with q, k and v from one matmul."""
 
-    def __init__(self, attn: SelfAttention):
+    def __init__(self, attn: SelfAttention, kernels: bool = False):
         nn.Module.__init__(self)
         self.layer_idx, self.nh, self.nkv, self.hd = attn.layer_idx, attn.nh, attn.nkv, attn.hd
         self.qkv_proj = stacked([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o_proj, self.q_norm, self.k_norm = attn.o_proj, attn.q_norm, attn.k_norm
+        self.kernels = kernels           # q/k norm + RoPE as one C pass (ops.qk_norm_rope)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend) -> Tensor:
+        if not self.kernels:
+            return super().forward(x, cos, sin, backend)
+        T, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
+        qkv = self.qkv_proj(x)
+        norms = self.q_norm is not None
+        q, k = torch.ops.minivllm.qk_norm_rope(qkv, self.q_norm.weight if norms else None,
+                                               self.k_norm.weight if norms else None, cos, sin, nh, nkv,
+                                               self.q_norm.eps if norms else 0.0)
+        v = qkv[:, (nh + nkv) * hd:].view(T, nkv, hd)
+        return self.o_proj(backend(self.layer_idx, q, k, v).reshape(T, nh * hd))
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         T = x.shape[0]
@@ -57,26 +71,36 @@ class FusedQKVAttention(SelfAttention):
 class FusedSwiGLU(SwiGLU):
     """Lesson 04's MLP with gate and up from one matmul."""
 
-    def __init__(self, mlp: SwiGLU):
+    def __init__(self, mlp: SwiGLU, kernels: bool = False):
         nn.Module.__init__(self)
         self.gate_up_proj = stacked([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
+        self.kernels = kernels           # silu(gate) * up as one C pass (ops.silu_mul)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.kernels:
+            return super().forward(x)
+        return self.down_proj(torch.ops.minivllm.silu_mul(self.gate_up_proj(x)))
 
     def project_gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.gate_up_proj(x).chunk(2, dim=-1)
 
 
-def fuse_projections(model: nn.Module) -> int:
+def fuse_projections(model: nn.Module, kernels: bool = False) -> int:
     """Replace, in place, every attention and MLP whose projections are all lesson 14's
     PackedLinear by its fused version; returns how many modules were replaced. A model fused
-    already (an engine built on it before) has nothing left to replace."""
+    already (an engine built on it before) has nothing left to replace.
+
+    kernels: the element-wise chains after the fused projections go to elementwise.cpp (where
+    it builds: AVX-512 BF16) instead of torch's ops."""
+    kernels = kernels and elementwise_fits(model.config.head_dim, model.config.intermediate_size)
     done = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if type(attn) is SelfAttention and all(type(m) is PackedLinear for m in (attn.q_proj, attn.k_proj, attn.v_proj)):
-            layer.self_attn = FusedQKVAttention(attn)
+            layer.self_attn = FusedQKVAttention(attn, kernels)
             done += 1
         if type(mlp) is SwiGLU and all(type(m) is PackedLinear for m in (mlp.gate_proj, mlp.up_proj)):
-            layer.mlp = FusedSwiGLU(mlp)
+            layer.mlp = FusedSwiGLU(mlp, kernels)
             done += 1
     return done

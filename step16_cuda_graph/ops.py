@@ -29,6 +29,7 @@ from step14_batched_forward.packed_linear import PackedLinear
 from step15_flash_attention.flash_cpu import flash_attention_cpu
 
 AMX_SOURCE = Path(__file__).with_name("amx_prefill.cpp")
+ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.cpp")
 
 
 @torch.library.custom_op("minivllm::paged_attention", mutates_args=("k_cache", "v_cache"))
@@ -162,3 +163,65 @@ def route_packed_linears(model: torch.nn.Module) -> int:
                 setattr(parent, name, OpPackedLinear(child))
                 done += 1
     return done
+
+
+# ---- element-wise chains of a bf16 layer as one C pass each (elementwise.cpp) ---------------
+@lru_cache(maxsize=None)
+def elementwise_library() -> ctypes.CDLL | None:
+    """elementwise.cpp built for this CPU, or None (no AVX-512 BF16, no compiler, MINIVLLM_KERNEL=0)."""
+    lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "fused element-wise kernels unavailable, "
+                                        "torch.compile's code runs instead")
+    if lib is None:
+        return None
+    lib.elementwise_available.restype = ctypes.c_int64
+    if not lib.elementwise_available():
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.qk_norm_rope_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
+    lib.silu_mul_bf16.argtypes = [ptr, i64, i64, ptr]
+    for fn in (lib.qk_norm_rope_bf16, lib.silu_mul_bf16):
+        fn.restype = None
+    return lib
+
+
+def elementwise_fits(head_dim: int, intermediate: int) -> bool:
+    return head_dim % 32 == 0 and head_dim <= 256 and intermediate % 16 == 0 and elementwise_library() is not None
+
+
+@torch.library.custom_op("minivllm::qk_norm_rope", mutates_args=())
+def qk_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor, sin: Tensor,
+                 num_heads: int, num_kv_heads: int, eps: float) -> tuple[Tensor, Tensor]:
+    """q [T, nh, D] and k [T, nkv, D] from the fused projection's output qkv [T, >= (nh+nkv) D]:
+    per-head RMSNorm (when weights are given) and RoPE, as lesson 04 computes them in bf16.
+    cos/sin: lesson 04's float32 tables for the step's positions, [T, 1, D]."""
+    T, D = qkv.shape[0], cos.shape[-1]
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+    q, k = qkv.new_empty(T, num_heads, D), qkv.new_empty(T, num_kv_heads, D)
+    ptr = lambda t: 0 if t is None else t.data_ptr()
+    elementwise_library().qk_norm_rope_bf16(qkv.data_ptr(), T, qkv.stride(0), num_heads, num_kv_heads, D,
+                                            ptr(q_weight), ptr(k_weight), cos.data_ptr(), sin.data_ptr(), eps,
+                                            q.data_ptr(), k.data_ptr())
+    return q, k
+
+
+@qk_norm_rope.register_fake
+def _(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps):
+    T, D = qkv.shape[0], cos.shape[-1]
+    return qkv.new_empty(T, num_heads, D), qkv.new_empty(T, num_kv_heads, D)
+
+
+@torch.library.custom_op("minivllm::silu_mul", mutates_args=())
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up [N, 2I] = gate | up, rounded as lesson 04 rounds in bf16."""
+    gate_up = gate_up.contiguous()
+    N, I = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(N, I)
+    elementwise_library().silu_mul_bf16(gate_up.data_ptr(), N, I, out.data_ptr())
+    return out
+
+
+@silu_mul.register_fake
+def _(gate_up):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

@@ -245,9 +245,43 @@ def test_bf16_engine_fuses_and_gives_the_tokens_of_the_unfused_one(monkeypatch, 
     cfg = PagedSchedulerConfig(block_size=4, kv_cache_bytes=60 * KVPool.bytes_per_block(model.config, 4, torch.bfloat16),
                                max_num_seqs=4, max_num_batched_tokens=16)
     with monkeypatch.context() as m:
-        m.setattr(engine_module, "fuse_projections", lambda model: 0)
+        m.setattr(engine_module, "fuse_projections", lambda model, kernels=False: 0)
         unfused = GraphEngine(load_model(tiny_qwen3_dir, torch.bfloat16), cfg)
         ref = [s.output_token_ids for s in unfused.generate(prompts, sp)]
     engine = GraphEngine(model, cfg)
     assert unfused.num_fused == 0 and engine.num_fused == 2 * model.config.num_layers
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+
+
+def test_elementwise_kernels_round_as_lesson04_does():
+    """elementwise.cpp: q/k RMSNorm + RoPE (with and without Qwen3's q/k norms) and SwiGLU's
+    silu(gate) * up, against lesson 04's bf16 code: the same bf16 values but for float32 sum
+    order (so at most one bf16 step apart, and almost all equal)."""
+    from step03_attention.attention import apply_rope
+    from step04_transformer.layers import RMSNorm, RotaryEmbedding
+    from step16_cuda_graph import ops
+    if ops.elementwise_library() is None:
+        pytest.skip("no AVX-512 BF16 here (or no compiler)")
+    g = torch.Generator().manual_seed(0)
+    T, nh, nkv, D, inner = 37, 4, 2, 64, 96
+    qkv = torch.randn(T, (nh + 2 * nkv) * D, generator=g).bfloat16()
+    q_norm, k_norm = RMSNorm(D, 1e-6).bfloat16(), RMSNorm(D, 1e-6).bfloat16()
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+        k_norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+    cos, sin = RotaryEmbedding(D, 1e6, 512)(torch.arange(300, 300 + T))
+
+    def close(got, want):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-5)
+        assert (got == want).float().mean() > 0.99
+
+    with torch.no_grad():
+        q_heads, k_heads = qkv[:, :nh * D].view(T, nh, D), qkv[:, nh * D:(nh + nkv) * D].view(T, nkv, D)
+        q, k = ops.qk_norm_rope(qkv, q_norm.weight, k_norm.weight, cos, sin, nh, nkv, 1e-6)
+        close(q, apply_rope(q_norm(q_heads), cos, sin))
+        close(k, apply_rope(k_norm(k_heads), cos, sin))
+        q, k = ops.qk_norm_rope(qkv, None, None, cos, sin, nh, nkv, 0.0)     # a model without q/k norms
+        close(q, apply_rope(q_heads, cos, sin))
+        close(k, apply_rope(k_heads, cos, sin))
+        gate_up = (3 * torch.randn(T, 2 * inner, generator=g)).bfloat16()
+        close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:])

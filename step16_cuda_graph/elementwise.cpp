@@ -1,0 +1,118 @@
+// Two element-wise chains of a bf16 Qwen3 layer, each as one pass over its rows (AVX-512).
+//
+// torch.compile fuses these chains too, but in bf16 the code it writes converts between bf16
+// and float32 at every point where eager PyTorch rounds (so that both give the same numbers),
+// with generic conversion code; the q/k one also runs as two passes with a buffer between
+// them. Here a value is rounded to bf16 with one instruction (VCVTNEPS2BF16, round to nearest
+// even, as PyTorch rounds) at the same points, so the results are eager's, to the order of a
+// float32 sum.
+//
+//   qk_norm_rope   q and k of each token, straight out of the fused qkv projection:
+//                    RMSNorm per head (Qwen3's q_norm / k_norm; skipped without weights), then
+//                    RoPE, half-split layout: out[i] = x[i] c[i] - x[i+D/2] s[i],
+//                    out[i+D/2] = x[i+D/2] c[i+D/2] + x[i] s[i+D/2]
+//   silu_mul       silu(gate) * up of the fused gate|up projection (SwiGLU), with an exp good
+//                    to a few float32 ulp (bf16 keeps 8 bits)
+#include <cmath>
+#include <cstdint>
+
+typedef uint16_t bf16;   // raw bits
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)   // else: elementwise_available() says 0
+#include <immintrin.h>
+
+namespace {
+
+inline __m512 load16(const bf16* p) {      // 16 bf16 -> float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+inline __m512 round_bf16(__m512 x) {        // float32 -> nearest bf16 -> float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+inline void store16(bf16* p, __m512 x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+
+// e^x for 16 lanes: 2^n e^r, n = round(x log2 e), ln 2 split in two (Cody-Waite), degree-6
+// Taylor for e^r. Saturates to 0 below -87 and to inf above 88 (silu then gives 0 or x).
+inline __m512 exp16(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One head of one token: src -> dst (D values), c/s the token's cos/sin already in bf16.
+inline void norm_rope_row(const bf16* src, bf16* dst, const bf16* w, const float* c, const float* s, int64_t D,
+                          float eps) {
+  __m512 x[16];                              // D <= 256
+  const int64_t V = D / 16, H = V / 2;
+  for (int64_t j = 0; j < V; ++j) x[j] = load16(src + 16 * j);
+  if (w != nullptr) {                        // RMSNorm: (x * rsqrt(mean(x^2) + eps)) to bf16, times w, to bf16
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t j = 0; j < V; ++j) ss = _mm512_fmadd_ps(x[j], x[j], ss);
+    const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / float(D) + eps));
+    for (int64_t j = 0; j < V; ++j) x[j] = round_bf16(_mm512_mul_ps(load16(w + 16 * j), round_bf16(_mm512_mul_ps(x[j], r))));
+  }
+  for (int64_t j = 0; j < H; ++j) {          // x*cos + rotate_half(x)*sin, each product rounded as eager rounds it
+    const __m512 lo = x[j], hi = x[j + H];
+    const __m512 a0 = round_bf16(_mm512_mul_ps(lo, _mm512_loadu_ps(c + 16 * j)));
+    const __m512 b0 = round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), _mm512_loadu_ps(s + 16 * j)));
+    const __m512 a1 = round_bf16(_mm512_mul_ps(hi, _mm512_loadu_ps(c + 16 * (j + H))));
+    const __m512 b1 = round_bf16(_mm512_mul_ps(lo, _mm512_loadu_ps(s + 16 * (j + H))));
+    store16(dst + 16 * j, _mm512_add_ps(a0, b0));
+    store16(dst + 16 * (j + H), _mm512_add_ps(a1, b1));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// qkv [T, row] (q heads, then k heads, from column 0; v after them is not read);
+// cos, sin [T, D] float32; q_out [T, nh, D], k_out [T, nkv, D]; qw, kw [D] or null.
+void qk_norm_rope_bf16(const bf16* qkv, int64_t T, int64_t row, int64_t nh, int64_t nkv, int64_t D,
+                       const bf16* qw, const bf16* kw, const float* cos, const float* sin, float eps,
+                       bf16* q_out, bf16* k_out) {
+#pragma omp parallel for if (T * (nh + nkv) >= 256)
+  for (int64_t t = 0; t < T; ++t) {
+    alignas(64) float c[256], s[256];        // the token's cos/sin cast to bf16, as apply_rope does
+    for (int64_t j = 0; j < D; j += 16) {
+      _mm512_store_ps(c + j, round_bf16(_mm512_loadu_ps(cos + t * D + j)));
+      _mm512_store_ps(s + j, round_bf16(_mm512_loadu_ps(sin + t * D + j)));
+    }
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      const bool is_q = h < nh;
+      bf16* dst = is_q ? q_out + (t * nh + h) * D : k_out + (t * nkv + h - nh) * D;
+      norm_rope_row(qkv + t * row + h * D, dst, is_q ? qw : kw, c, s, D, eps);
+    }
+  }
+}
+
+// gate_up [N, 2I] (gate | up) -> out [N, I]: silu(gate) rounded to bf16, times up, rounded.
+void silu_mul_bf16(const bf16* gate_up, int64_t N, int64_t I, bf16* out) {
+#pragma omp parallel for if (N * I >= 65536)
+  for (int64_t n = 0; n < N; ++n) {
+    const bf16* g = gate_up + n * 2 * I;
+    const bf16* u = g + I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const __m512 x = load16(g + i);
+      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      store16(out + n * I + i, _mm512_mul_ps(round_bf16(silu), load16(u + i)));
+    }
+  }
+}
+
+int64_t elementwise_available() { return 1; }
+
+}  // extern "C"
+#else
+extern "C" int64_t elementwise_available() { return 0; }
+#endif
