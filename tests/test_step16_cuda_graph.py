@@ -285,3 +285,29 @@ def test_elementwise_kernels_round_as_lesson04_does():
         close(k, apply_rope(k_heads, cos, sin))
         gate_up = (3 * torch.randn(T, 2 * inner, generator=g)).bfloat16()
         close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:])
+
+
+@needs_kernel
+def test_bf16_smollm2_through_the_fast_paths_says_what_eager_says(smol_dir, smol_tokenizer):
+    """The embedded SmolLM2 in bf16 (head_dim 64, 3 query heads a KV head): fused projections,
+    elementwise.cpp and the AMX prompt kernel where this CPU has them, prompts split in chunks.
+    bf16 paths round differently, so only text the model is sure of is compared with lesson 14's
+    eager bf16 engine."""
+    from step16_cuda_graph import ops
+    prompts = [smol_tokenizer.encode(t) for t in ("The capital of France is",
+                                                  "One, two, three, four, five, six, seven, eight,")]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def config(model):
+        return PagedSchedulerConfig(kv_cache_bytes=64 * KVPool.bytes_per_block(model.config, 16, torch.bfloat16),
+                                    max_num_seqs=2, max_num_batched_tokens=8)
+    eager = load_model(smol_dir, torch.bfloat16)
+    want = [s.output_token_ids for s in BatchedEngine(eager, config(eager)).generate(prompts, sp)]
+    model = load_model(smol_dir, torch.bfloat16)
+    engine = GraphEngine(model, config(model))
+    if engine.runner is None:
+        pytest.skip("torch.compile does not work here")
+    assert engine.num_fused == (2 * model.config.num_layers if engine.num_packed else 0)
+    kernels = ops.elementwise_library() is not None and engine.num_fused > 0
+    assert all(layer.mlp.kernels == kernels for layer in model.model.layers)
+    assert [s.output_token_ids for s in engine.generate(prompts, sp)] == want
