@@ -13,8 +13,10 @@
 //                    out[i+D/2] = x[i+D/2] c[i+D/2] + x[i] s[i+D/2]
 //   silu_mul       silu(gate) * up of the fused gate|up projection (SwiGLU), with an exp good
 //                    to a few float32 ulp (bf16 keeps 8 bits)
+// and, for any CPU and dtype, write_kv: the step's K/V rows into the pool in one call.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 typedef uint16_t bf16;   // raw bits
 
@@ -116,3 +118,20 @@ int64_t elementwise_available() { return 1; }
 #else
 extern "C" int64_t elementwise_available() { return 0; }
 #endif
+
+extern "C" {
+
+// The step's K and V rows into the head-major pool: row i of k/v is (token i / Hkv, head
+// i % Hkv), at byte strides (token, head) of k and of v; it goes to pool row rows[i]. What
+// two index_copy_ calls did, in one call without torch's per-call setup (any dtype).
+void write_kv(const char* k, const char* v, int64_t k_token, int64_t k_head, int64_t v_token, int64_t v_head,
+              int64_t Hkv, char* k_pool, char* v_pool, const int64_t* rows, int64_t n, int64_t row_bytes) {
+#pragma omp parallel for if (n * row_bytes >= (1 << 20))
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = i / Hkv, h = i % Hkv;
+    std::memcpy(k_pool + rows[i] * row_bytes, k + t * k_token + h * k_head, row_bytes);
+    std::memcpy(v_pool + rows[i] * row_bytes, v + t * v_token + h * v_head, row_bytes);
+  }
+}
+
+}  // extern "C"

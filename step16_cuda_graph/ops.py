@@ -40,9 +40,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
 
     The runner checked the metadata once for the step (a check here would run every layer).
     """
-    D = k.shape[-1]
-    k_cache.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
-    v_cache.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
+    write_kv(k, v, k_cache, v_cache, rows)
     if q.dtype == torch.bfloat16 and q.shape[0] > seq_lens.shape[0]:   # some sequence brings prompt rows
         return with_sdpa_prompts(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
     return flash_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, check=False)
@@ -167,21 +165,39 @@ def route_packed_linears(model: torch.nn.Module) -> int:
 
 # ---- element-wise chains of a bf16 layer as one C pass each (elementwise.cpp) ---------------
 @lru_cache(maxsize=None)
-def elementwise_library() -> ctypes.CDLL | None:
-    """elementwise.cpp built for this CPU, or None (no AVX-512 BF16, no compiler, MINIVLLM_KERNEL=0)."""
-    lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "fused element-wise kernels unavailable, "
-                                        "torch.compile's code runs instead")
+def kernels_library() -> ctypes.CDLL | None:
+    """elementwise.cpp built for this CPU, or None (no compiler, MINIVLLM_KERNEL=0)."""
+    lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "lesson 16's C kernels unavailable, torch's ops run instead")
     if lib is None:
         return None
-    lib.elementwise_available.restype = ctypes.c_int64
-    if not lib.elementwise_available():
-        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.elementwise_available.restype = ctypes.c_int64
     lib.qk_norm_rope_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
     lib.silu_mul_bf16.argtypes = [ptr, i64, i64, ptr]
-    for fn in (lib.qk_norm_rope_bf16, lib.silu_mul_bf16):
+    lib.write_kv.argtypes = [ptr, ptr] + [i64] * 5 + [ptr, ptr, ptr, i64, i64]
+    for fn in (lib.qk_norm_rope_bf16, lib.silu_mul_bf16, lib.write_kv):
         fn.restype = None
     return lib
+
+
+def elementwise_library() -> ctypes.CDLL | None:
+    """The library where its bf16 element-wise kernels are compiled in (AVX-512 BF16), else None."""
+    lib = kernels_library()
+    return lib if lib is not None and lib.elementwise_available() else None
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor) -> None:
+    """k, v [T, Hkv, D] into rows `rows` ([T * Hkv], token-major) of the head-major pools."""
+    lib, D = kernels_library(), k.shape[-1]
+    if (lib is None or k.stride(-1) != 1 or v.stride(-1) != 1 or rows.dtype != torch.int64 or not rows.is_contiguous()
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        k_cache.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
+        v_cache.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
+        return
+    size = k.element_size()
+    lib.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0) * size, k.stride(1) * size, v.stride(0) * size,
+                 v.stride(1) * size, k.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
+                 rows.numel(), D * size)
 
 
 def elementwise_fits(head_dim: int, intermediate: int) -> bool:
