@@ -9,6 +9,7 @@ a CUDA graph on a GPU, the layer body compiled by torch.compile on a CPU.
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -50,11 +51,11 @@ def build_graph_engine(model) -> GraphEngine:
     return engine
 
 
-def chat(model, tok, engine: GraphEngine, dtype) -> None:
+def chat(lesson15_model, tok, engine: GraphEngine, dtype) -> None:
     prompts = [chat_prompt_ids(tok, q) for q in QUESTIONS]
     sp = SamplingParams(temperature=0, max_tokens=48)
     outs = {}
-    for name, eng in [("lesson 15", FlashEngine(model, config())), ("lesson 16", engine)]:
+    for name, eng in [("lesson 15", FlashEngine(lesson15_model, config())), ("lesson 16", engine)]:
         t0 = time.perf_counter()
         outs[name] = [s.output_token_ids for s in eng.generate(prompts, sp)]
         print(f"  {name}: {sum(map(len, outs[name]))} tokens in {time.perf_counter() - t0:5.2f} s, "
@@ -79,9 +80,10 @@ def step_latency(model, engine: GraphEngine) -> None:
 def main() -> None:
     args = base_parser(__doc__).parse_args()
     dtype, folder, model, tok = start_lesson(args)
+    plain = copy.deepcopy(model)      # lesson 15's own copy: lesson 16 fuses q|k|v and gate|up in place
     engine = build_graph_engine(model)
     print("eight chat requests, greedy, up to 48 tokens:")
-    chat(model, tok, engine, dtype)
+    chat(plain, tok, engine, dtype)
     if engine.runner is not None:
         step_latency(model, engine)
 
