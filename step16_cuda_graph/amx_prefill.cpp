@@ -247,7 +247,8 @@ int64_t amx_prefill_available() {
 
 // Attention of every sequence b with more than one query row (cu[b+1] - cu[b] > 1): q, out
 // [T, Hkv*group, D] contiguous; pools [num_blocks, Hkv, bs, D]; rows of other sequences untouched.
-void amx_prefill_bf16(const bf16* q, const bf16* kp, const bf16* vp, const int64_t* cu, const int64_t* lens,
+// Returns 0, or -1 when the packed keys could not be allocated.
+int64_t amx_prefill_bf16(const bf16* q, const bf16* kp, const bf16* vp, const int64_t* cu, const int64_t* lens,
                       const int64_t* tables, bf16* out, int64_t B, int64_t max_blocks, int64_t Hkv,
                       int64_t group, int64_t bs, int64_t D, float scale) {
 #if HAVE_AMX
@@ -261,10 +262,11 @@ void amx_prefill_bf16(const bf16* q, const bf16* kp, const bf16* vp, const int64
     chunks.push_back({b, total});
     total += Hkv * padded(lens[b]) * D;
   }
-  if (chunks.empty()) return;
+  if (chunks.empty()) return 0;
   struct Free { void operator()(bf16* p) const { std::free(p); } };   // 64-byte aligned: whole-line stores
   const std::unique_ptr<bf16[], Free> kbuf(static_cast<bf16*>(std::aligned_alloc(64, total * sizeof(bf16)))),
       vbuf(static_cast<bf16*>(std::aligned_alloc(64, total * sizeof(bf16))));
+  if (!kbuf || !vbuf) return -1;                // out of memory: the caller raises
   bf16 *kt = kbuf.get(), *vt = vbuf.get();
   const int64_t nc = chunks.size();
 #pragma omp parallel for schedule(dynamic)
@@ -295,6 +297,7 @@ void amx_prefill_bf16(const bf16* q, const bf16* kp, const bf16* vp, const int64
     _tile_release();
   }
 #endif
+  return 0;
 }
 
 }  // extern "C"

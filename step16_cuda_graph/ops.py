@@ -97,7 +97,7 @@ def amx_library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.amx_prefill_bf16.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
-    lib.amx_prefill_bf16.restype = None
+    lib.amx_prefill_bf16.restype = ctypes.c_int64
     return lib
 
 
@@ -116,9 +116,11 @@ def amx_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tenso
     q = q.contiguous()
     num_blocks, Hkv, bs, D = k_cache.shape
     cu, lens, tables = cu_seqlens_q.contiguous(), seq_lens.contiguous(), block_tables.contiguous()
-    amx_library().amx_prefill_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cu.data_ptr(),
-                                   lens.data_ptr(), tables.data_ptr(), out.data_ptr(), len(lens), tables.shape[1],
-                                   Hkv, q.shape[1] // Hkv, bs, D, D ** -0.5)
+    status = amx_library().amx_prefill_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cu.data_ptr(),
+                                            lens.data_ptr(), tables.data_ptr(), out.data_ptr(), len(lens),
+                                            tables.shape[1], Hkv, q.shape[1] // Hkv, bs, D, D ** -0.5)
+    if status != 0:
+        raise MemoryError("amx_prefill: no memory for the step's packed keys and values")
 
 
 @paged_attention.register_fake
