@@ -1,11 +1,13 @@
 """Our kernels as PyTorch custom ops, so torch.compile calls them instead of tracing into them.
 
 A compiler can only fuse what it can see. torch.compile traces Python into a graph of
-PyTorch ops; two of our layers are not PyTorch ops it understands:
+PyTorch ops; some of our layers are not PyTorch ops it understands:
 
-    the paged attention kernel   a C function called through ctypes (lesson 15): not traceable
+    the paged attention kernel   a C function called through ctypes (lesson 15; prompt chunks
+                                 on AMX tiles: amx_prefill.cpp): not traceable
     the packed linear            oneDNN's blocked weight (lesson 14): inductor's own lowering
                                  of `mkldnn._linear_pointwise` rejects it as a graph input
+    qk_norm_rope, silu_mul       this lesson's C passes (elementwise.cpp), called through ctypes
 
 Registered with `torch.library.custom_op`, each becomes one opaque node: the compiler fuses the
 element-wise work around it and calls our function where the node stands. The "fake"
