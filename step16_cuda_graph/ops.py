@@ -39,9 +39,8 @@ def pure_op(schema: str, fake):
     """Register the decorated function as the op `minivllm::<schema>` and return the op (so
     that every caller goes through the dispatcher, and the compiler sees one opaque node).
     The lighter way for ops that mutate nothing: `torch.library.custom_op` wraps each call in
-    Python checks; in a compiled step that was ~8 us of a ~31 us packed-linear call (one-off,
-    10 calls of a tiny matmul; ~16 us without any op around it), and a decode step makes 168
-    such calls. `fake` gives the compiler the output's shape without running anything."""
+    more Python checks, and a decode step makes 168 such calls (`bench.py linears` prints what
+    one costs in a compiled graph). `fake` gives the compiler the output's shape."""
     def register(fn):
         name = schema.split("(")[0]
         _LIBRARY.define(schema)
@@ -56,17 +55,17 @@ def pure_op(schema: str, fake):
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
                     cu_seqlens_q: Tensor, seq_lens: Tensor, block_tables: Tensor) -> Tensor:
     """Write k/v [T, Hkv, D] at `rows` of the head-major pool, then lesson 15's kernel (a bf16
-    step with prompt rows: `with_sdpa_prompts`).
+    step with prompt rows: `prompts_apart`).
 
     The runner checked the metadata once for the step (a check here would run every layer).
     """
     write_kv(k, v, k_cache, v_cache, rows)
     if q.dtype == torch.bfloat16 and q.shape[0] > seq_lens.shape[0]:   # some sequence brings prompt rows
-        return with_sdpa_prompts(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+        return prompts_apart(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
     return flash_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, check=False)
 
 
-def with_sdpa_prompts(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor,
+def prompts_apart(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor,
                       seq_lens: Tensor, block_tables: Tensor) -> Tensor:
     """A bf16 step with prompt rows: the prompt chunks go to a matrix unit, the decodes to lesson
     15's kernel (a sub-batch of just those sequences).

@@ -6,6 +6,7 @@ Qwen3-0.6B shape), same token-id prompts, same greedy outputs of fixed length:
 
     python step16_cuda_graph/vllm_bench.py --what workload   # lesson 14's bench workload
     python step16_cuda_graph/vllm_bench.py --what batch1     # one 128-token prompt, 128 tokens out
+    python step16_cuda_graph/vllm_bench.py --what linears    # its oneDNN binding: call cost, projections
 """
 from __future__ import annotations
 
@@ -29,6 +30,58 @@ def phase_workloads(seed: int) -> dict[str, tuple[list[list[int]], list[int]]]:
     prompts, _ = workload(64, seed, QWEN3_06B_SHAPE["vocab_size"])
     return {"prompts only": (prompts, [1] * len(prompts)),
             "decode, short prompts": ([p[:64] for p in prompts], [192] * len(prompts))}
+
+
+# The four projections of a Qwen3-0.6B layer once q|k|v and gate|up are fused (lesson 16's
+# fused.py, vLLM's own model code): (out, in) = qkv, o, gate_up, down.
+FUSED_PROJECTIONS = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+
+
+def projection_ms(weights: list, shapes: list[tuple[int, int]], call, rows: int, passes: int = 5) -> float:
+    """Median milliseconds of one pass over `weights` (layer after layer, each layer's weights
+    shaped as `shapes` (out, in); 28 layers: out of cache), each called as call(w, x) on a
+    [rows, in] bf16 input; one untimed pass first."""
+    import statistics
+    import torch
+    xs = {k: torch.randn(rows, k).bfloat16() for _, k in shapes}
+    ins = [k for _, k in shapes] * (len(weights) // len(shapes))
+    times = []
+    for i in range(passes + 1):
+        t0 = time.perf_counter()
+        for w, k in zip(weights, ins):
+            call(w, xs[k])
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def call_us(fn, calls: int = 2000, repeats: int = 5) -> float:
+    """Median microseconds of one call of fn, over `repeats` loops of `calls` (one loop warms up)."""
+    import statistics
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if i:
+            times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def vllm_linears() -> dict:
+    """vLLM's own oneDNN binding (`_C.onednn_mm`, the handler its CPU linears hold): the fixed
+    cost of a call, and 28 layers of the fused projections at decode and prompt row counts."""
+    import torch
+    from vllm import _custom_ops as ops
+    torch.set_grad_enabled(False)
+    w = (torch.randn(64, 64) * 0.02).bfloat16()
+    tiny, x, out = ops.create_onednn_mm(w.t(), 32), torch.randn(8, 64).bfloat16(), torch.empty(8, 64).bfloat16()
+    result = {"fixed_us": call_us(lambda: torch.ops._C.onednn_mm(out, x, None, tiny.handler_tensor))}
+    handlers = [ops.create_onednn_mm((torch.randn(n, k) * 0.02).bfloat16().t(), 32)
+                for _ in range(28) for n, k in FUSED_PROJECTIONS]
+    result["projections_ms"] = {rows: projection_ms(handlers, FUSED_PROJECTIONS, lambda h, x: ops.onednn_mm(h, x, None),
+                                                    rows) for rows in (8, 64, 512)}
+    return result
 
 
 def make_llm(path: str):
@@ -69,7 +122,7 @@ def decode_tok_s(llm, prompt: list[int], n: int) -> tuple[float, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--what", choices=["workload", "batch1", "phases", "all"], default="all")
+    p.add_argument("--what", choices=["workload", "batch1", "phases", "linears", "all"], default="all")
     p.add_argument("--rounds", type=int, default=1, help="repeat each measurement; the best is kept")
     p.add_argument("--seed", type=int, default=1, help="the workload's seed (step15/16 bench.py: 1)")
     p.add_argument("--quick", action="store_true", help="4 short requests: a smoke test")
@@ -83,6 +136,13 @@ def main() -> None:
         print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     except ImportError as e:               # it needs only torch, but say so rather than fail
         print(f"machine: ? ({e})")
+    if args.what == "linears":                 # no engine needed
+        result = vllm_linears()
+        print(f"vLLM-CPU {vllm.__version__} onednn_mm: {result['fixed_us']:.1f} us a tiny call; 28 layers of "
+              f"fused projections: " + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in result["projections_ms"].items()))
+        if args.json:
+            print(json.dumps(result))
+        return
 
     llm = make_llm(str(random_qwen3_06b()))     # startup (load, compile, KV cache) is not timed
     name = f"vLLM-CPU {vllm.__version__}"
