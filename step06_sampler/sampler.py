@@ -146,6 +146,7 @@ class Sampler:
     Filters that no row uses are skipped (each one costs passes over the whole vocabulary),
     and a batch in which every row is greedy never computes a softmax at all.
     """
+    argmax = staticmethod(row_argmax)   # the greedy pick; lesson 16 swaps in a C pass
 
     @staticmethod
     def _check(logits: Tensor, params: list[SamplingParams]) -> None:
@@ -194,7 +195,7 @@ class Sampler:
             generators = [None] * len(params)
         if len(generators) != len(params):
             raise ValueError(f"got {len(generators)} generators for {len(params)} rows")
-        tokens = row_argmax(logits)                      # greedy rows are done here
+        tokens = self.argmax(logits)                     # greedy rows are done here
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(rows) == len(params):                     # no greedy row: the whole batch at once
             return exponential_race(self.filtered_logits(logits, params).softmax(dim=-1), generators)

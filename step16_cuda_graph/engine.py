@@ -14,7 +14,8 @@ What changes against lesson 15:
     one read of them per step instead of a reorder and a read;
   - the step's logits are written into a float32 buffer kept from step to step: a fresh
     64 x 151,936 float32 tensor is 39 MB, above glibc's largest mmap threshold (32 MiB), so
-    each step got new pages from the kernel, zeroed, one page fault each.
+    each step got new pages from the kernel, zeroed, one page fault each;
+  - the sampler's greedy pick is one C pass over those logits (`ops.row_argmax`).
 `use_graph=False` is lesson 15's engine, with the packed head; `compile_mixed=False` keeps
 the buckets and runs prompt steps eagerly.
 """
@@ -25,13 +26,19 @@ from torch import Tensor, nn
 
 from step05_naive.generate import check_prompt
 from step06_sampler.params import SamplingParams
+from step06_sampler.sampler import Sampler
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step14_batched_forward.packed_linear import PackedLinear, can_pack
 from step15_flash_attention.engine import FlashEngine
 from step16_cuda_graph.fused import fuse_projections
 from step16_cuda_graph.mixed import MixedStepRunner
-from step16_cuda_graph.ops import route_packed_linears
+from step16_cuda_graph.ops import route_packed_linears, row_argmax
 from step16_cuda_graph.runner import GraphRunner, compile_works
+
+
+class KernelSampler(Sampler):
+    """Lesson 06's sampler with the greedy pick as one C pass over the float32 logits."""
+    argmax = staticmethod(row_argmax)
 
 
 def packed_lm_head(model) -> PackedLinear | None:
@@ -53,6 +60,8 @@ class GraphEngine(FlashEngine):
         """max_bucket: the largest batch recorded (default max_num_seqs; vLLM's max_cudagraph_capture_size)."""
         super().__init__(model, scheduler, *args, **kwargs)
         self.lm_head = packed_lm_head(model)
+        if type(self.sampler) is Sampler:
+            self.sampler = KernelSampler()
         self._logits: Tensor | None = None       # float32 [rows, vocab], reused by every step
         self.runner: GraphRunner | None = None
         self.mixed: MixedStepRunner | None = None

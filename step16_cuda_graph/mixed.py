@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from step15_flash_attention.attention import FlashPagedAttention
 from step15_flash_attention.flash_cpu import check_inputs
+from step16_cuda_graph.runner import COMPILE_OPTIONS
 
 
 class StepAttention:
@@ -60,7 +61,7 @@ class MixedStepRunner:
     def __init__(self, model, pool):
         self.model, self.pool = model, pool
         self.body = torch.compile(_mixed_layer_body, dynamic=None, fullgraph=True,
-                                  options={"emulate_precision_casts": True}, recompile_limit=16)
+                                  options=COMPILE_OPTIONS, recompile_limit=16)
         self.steps = 0
 
     def warm_up(self, scratch_block: int) -> float:

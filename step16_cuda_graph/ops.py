@@ -9,12 +9,13 @@ PyTorch ops; some of our layers are not PyTorch ops it understands:
                                  of `mkldnn._linear_pointwise` rejects it as a graph input
     qk_norm_rope, silu_mul       this lesson's C passes (elementwise.cpp), called through ctypes
 
-Registered with `torch.library` (`custom_op`, or `pure_op` below), each becomes one opaque node: the compiler fuses the
-element-wise work around it and calls our function where the node stands. The "fake"
-implementation tells it the output's shape and dtype without running anything.
+Registered with `torch.library` (`library_op` below), each becomes one opaque node: the
+compiler fuses the element-wise work around it and calls our function where the node stands.
+The "fake" implementation tells it the output's shape and dtype without running anything.
 
-The attention op also writes the step's K/V into the pool, and says so (`mutates_args`): the
-compiler then keeps the write in order and never copies the pool to stay "functional".
+The attention op also writes the step's K/V into the pool, and its schema says so
+(`Tensor(a!) k_cache`): the compiler then keeps the write in order and in place, and never
+copies the pool to stay "functional".
 """
 from __future__ import annotations
 
@@ -35,12 +36,13 @@ ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.cpp")
 _LIBRARY = torch.library.Library("minivllm", "FRAGMENT")
 
 
-def pure_op(schema: str, fake):
+def library_op(schema: str, fake):
     """Register the decorated function as the op `minivllm::<schema>` and return the op (so
     that every caller goes through the dispatcher, and the compiler sees one opaque node).
-    The lighter way for ops that mutate nothing: `torch.library.custom_op` wraps each call in
-    more Python checks, and a decode step makes 168 such calls (`bench.py linears` prints what
-    one costs in a compiled graph). `fake` gives the compiler the output's shape."""
+    The schema declares what the op writes, as ATen's do: `Tensor(a!) x` is mutated in place.
+    `torch.library.custom_op` would build the schema from type hints, but it wraps each call
+    in more Python (a decode step makes 196 such calls; `bench.py linears` prints what one
+    costs in a compiled graph). `fake` gives the compiler the output's shape."""
     def register(fn):
         name = schema.split("(")[0]
         _LIBRARY.define(schema)
@@ -51,7 +53,9 @@ def pure_op(schema: str, fake):
     return register
 
 
-@torch.library.custom_op("minivllm::paged_attention", mutates_args=("k_cache", "v_cache"))
+@library_op("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, "
+            "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_tables) -> Tensor",
+            fake=lambda q, *args: torch.empty_like(q))
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
                     cu_seqlens_q: Tensor, seq_lens: Tensor, block_tables: Tensor) -> Tensor:
     """Write k/v [T, Hkv, D] at `rows` of the head-major pool, then lesson 15's kernel (a bf16
@@ -142,12 +146,7 @@ def amx_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tenso
         raise MemoryError("amx_prefill: no memory for the step's packed keys and values")
 
 
-@paged_attention.register_fake
-def _(q, k, v, k_cache, v_cache, rows, cu_seqlens_q, seq_lens, block_tables):
-    return torch.empty_like(q)
-
-
-@pure_op("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
+@library_op("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
          fake=lambda x, packed_weight, bias, out_features: x.new_empty(x.shape[0], out_features))
 def packed_linear(x: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     """x [N, in] @ W^T + b with W in oneDNN's blocked layout: lesson 14's call, unchanged."""
@@ -192,7 +191,8 @@ def kernels_library() -> ctypes.CDLL | None:
     lib.qk_norm_rope_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
     lib.silu_mul_bf16.argtypes = [ptr, i64, i64, ptr]
     lib.write_kv.argtypes = [ptr, ptr] + [i64] * 5 + [ptr, ptr, ptr, i64, i64]
-    for fn in (lib.qk_norm_rope_bf16, lib.silu_mul_bf16, lib.write_kv):
+    lib.row_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
+    for fn in (lib.qk_norm_rope_bf16, lib.silu_mul_bf16, lib.write_kv, lib.row_argmax_f32):
         fn.restype = None
     return lib
 
@@ -217,6 +217,18 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tenso
                  rows.numel(), D * size)
 
 
+def row_argmax(x: Tensor) -> Tensor:
+    """x.max(dim=-1).indices for float32 rows [B, V] in one C pass, both cores (lesson 06's
+    row_argmax, which spends ~5 ms on 64 x 151,936 logits here); torch's where it does not apply."""
+    lib = kernels_library()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.device.type != "cpu" \
+            or x.shape[1] == 0:
+        return x.max(dim=-1).indices
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    lib.row_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
+
+
 def elementwise_fits(head_dim: int, intermediate: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256 and intermediate % 16 == 0 and elementwise_library() is not None
 
@@ -226,7 +238,7 @@ def _qk_norm_rope_fake(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_head
     return qkv.new_empty(T, num_heads, D), qkv.new_empty(T, num_kv_heads, D)
 
 
-@pure_op("qk_norm_rope(Tensor qkv, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "
+@library_op("qk_norm_rope(Tensor qkv, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "
          "int num_heads, int num_kv_heads, float eps) -> (Tensor, Tensor)", fake=_qk_norm_rope_fake)
 def qk_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor, sin: Tensor,
                  num_heads: int, num_kv_heads: int, eps: float) -> tuple[Tensor, Tensor]:
@@ -245,7 +257,7 @@ def qk_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, 
     return q, k
 
 
-@pure_op("silu_mul(Tensor gate_up) -> Tensor",
+@library_op("silu_mul(Tensor gate_up) -> Tensor",
          fake=lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up for gate_up [N, 2I] = gate | up, rounded as lesson 04 rounds in bf16."""

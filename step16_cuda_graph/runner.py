@@ -53,6 +53,16 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in base if b < max_num_seqs] + [max_num_seqs]
 
 
+# emulate_precision_casts: round bf16 intermediates where eager PyTorch rounds them, so compiled
+# bf16 runs stay close to eager ones (fp32: equal tokens, as the tests check).
+# guard_filter_fn: before each call, Dynamo checks that what the compiled code assumed still
+# holds ("guards"). Most guards are on the layer modules' Python attributes, which no one
+# changes after the engine is built (the weights are inputs, checked as tensors). Dropping
+# those roughly halves the check, ~25 us a call, 28 calls a step.
+COMPILE_OPTIONS = {"emulate_precision_casts": True,
+                   "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+
+
 @dataclass
 class StaticInputs:
     """The decode step's inputs, sized for the largest bucket; a bucket uses the first rows."""
@@ -122,10 +132,7 @@ class GraphRunner:
                                     for i in range(cfg.num_layers)] for b in self.buckets}
         self.layer_body = _layer_body
         if self.mode == "compile":
-            # emulate_precision_casts: round bf16 intermediates where eager PyTorch rounds them, so
-            # compiled bf16 runs stay close to eager ones (fp32: equal tokens, as the tests check).
-            self.layer_body = torch.compile(_layer_body, dynamic=False, fullgraph=True,
-                                            options={"emulate_precision_casts": True},
+            self.layer_body = torch.compile(_layer_body, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS,
                                             recompile_limit=64)    # one compiled body per bucket and pool shape
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.graph_pool = None

@@ -311,3 +311,24 @@ def test_bf16_smollm2_through_the_fast_paths_says_what_eager_says(smol_dir, smol
     kernels = ops.elementwise_library() is not None and engine.num_fused > 0
     assert all(layer.mlp.kernels == kernels for layer in model.model.layers)
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == want
+
+
+def test_row_argmax_picks_what_torch_picks():
+    """ops.row_argmax (one C pass, AVX-512 where the CPU has it): the first of equal maxima, the
+    first NaN of a row that has one, all -inf rows, row lengths around the 16-lane width,
+    strided rows; and the engine's sampler uses it."""
+    from step16_cuda_graph import ops
+    from step16_cuda_graph.engine import KernelSampler
+    g = torch.Generator().manual_seed(0)
+    for B, V in [(1, 7), (3, 31), (2, 32), (5, 33), (4, 1000), (2, 5003)]:
+        cases = [torch.randn(B, V, generator=g), torch.randint(0, 3, (B, V), generator=g).float(),
+                 torch.full((B, V), float("-inf"))]
+        with_nan = torch.randint(0, 3, (B, V), generator=g).float()
+        with_nan[:, V // 2] = float("nan")
+        with_nan[0, V - 1] = float("nan")
+        cases += [with_nan, torch.randn(B, 2 * V, generator=g)[:, :V]]
+        for x in cases:
+            assert torch.equal(ops.row_argmax(x), x.max(dim=-1).indices), (B, V)
+    logits = torch.randn(3, 50, generator=g)
+    params = [SamplingParams(temperature=0)] * 3
+    assert torch.equal(KernelSampler()(logits, params), logits.argmax(dim=-1))
