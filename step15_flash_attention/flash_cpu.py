@@ -98,7 +98,8 @@ def check_inputs(q: Tensor, k_pool: Tensor, v_pool: Tensor, cu_seqlens_q: Tensor
     if int(seq_lens.max()) > capacity:
         raise ValueError(f"seq_lens must be <= {capacity}, the block tables' capacity "
                          f"({block_tables.shape[1]} blocks of {bs})")
-    used = torch.arange(block_tables.shape[1])[None, :] < ((seq_lens + bs - 1) // bs)[:, None]
+    slots = torch.arange(block_tables.shape[1], device=block_tables.device)   # the tables' device: CUDA on a GPU
+    used = slots[None, :] < ((seq_lens + bs - 1) // bs)[:, None]
     ids = block_tables[used]                     # only the blocks the kernel will read
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"block_tables hold ids outside the pool's {num_blocks} blocks")
