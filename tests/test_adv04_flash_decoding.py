@@ -3,7 +3,8 @@ the torch version, the C++ kernel and the Triton kernels (in Triton's interprete
 split results is exactly one pass; the split rule; bad input is refused with a clear error.
 
 TRITON_INTERPRET must be set before `@triton.jit` runs, so it is set here, at import, as
-tests/test_step15_triton.py does.
+tests/test_step15_triton.py does; as there, an explicit TRITON_INTERPRET=0 on a machine with a
+GPU runs the Triton tests on CUDA (`TRITON_INTERPRET=0 pytest -k triton tests/test_adv04_flash_decoding.py`).
 """
 import importlib.util
 import os
@@ -26,6 +27,15 @@ from step15_flash_attention.reference import gather_kv, random_paged_case, refer
 
 needs_kernel = pytest.mark.skipif(cpu_module.load() is None, reason="flash-decoding kernel could not be built")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+# Where the Triton tests run: the interpreter on the CPU unless TRITON_INTERPRET=0 was asked for and a GPU is here.
+TRITON_DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" and torch.cuda.is_available() else "cpu"
+
+
+def on_triton_device(tensors: tuple | dict) -> tuple | dict:
+    """A case (tuple) or keyword arguments (dict) with every tensor moved to TRITON_DEVICE."""
+    if isinstance(tensors, dict):
+        return {k: v.to(TRITON_DEVICE) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+    return tuple(t.to(TRITON_DEVICE) for t in tensors)
 
 # Decode batches (one query per sequence): lengths off the block grid and off every split size below;
 # the mixed one has sequences shorter than one split next to one of many splits.
@@ -222,11 +232,12 @@ def test_triton_equals_reference(dtype, tol, Hkv, group, bs, D):
     from advanced.adv04_flash_decoding.triton_decode import flash_decode_triton
     case = decode_case([1, 16, 83, 37], Hkv, group, bs, D, dtype, seed=1)
     ref, ref_lse = reference_attention(*case), reference_lse(*case)
+    case_there = on_triton_device(case)
     for split in (bs, 3 * bs, None):
-        out, lse = flash_decode_triton(*case, split_size=split, return_lse=True)
-        assert out.dtype == dtype and out.shape == case[0].shape
-        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol, msg=f"split {split}")
-        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+        out, lse = flash_decode_triton(*case_there, split_size=split, return_lse=True)
+        assert out.dtype == dtype and out.shape == case[0].shape and out.device.type == TRITON_DEVICE
+        torch.testing.assert_close(out.float().cpu(), ref, atol=tol, rtol=tol, msg=f"split {split}")
+        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-4, rtol=1e-5)
 
 
 @needs_triton
@@ -234,10 +245,10 @@ def test_triton_refuses_bad_input():
     from advanced.adv04_flash_decoding.triton_decode import flash_decode_triton
     for what, args in _bad_cases():
         with pytest.raises((ValueError, TypeError), match=what):
-            flash_decode_triton(**args)
+            flash_decode_triton(**on_triton_device(args))
     with pytest.raises(ValueError, match="power-of-two head_dim"):
-        flash_decode_triton(*decode_case([5, 9], 2, 2, 4, 48))
-    assert flash_decode_triton(*_empty_batch()).shape == (0, 4, 32)
+        flash_decode_triton(*on_triton_device(decode_case([5, 9], 2, 2, 4, 48)))
+    assert flash_decode_triton(*on_triton_device(_empty_batch())).shape == (0, 4, 32)
 
 
 def test_run_script_help():

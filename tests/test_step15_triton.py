@@ -2,6 +2,8 @@
 
 TRITON_INTERPRET must be set before `@triton.jit` runs, so it is set here, at import, and the
 kernels are imported at collection time (before any test of another file imports them).
+On a machine with a GPU, `TRITON_INTERPRET=0 pytest tests/test_step15_triton.py` runs the same
+tests on the GPU: the kernels compiled, the cases moved to CUDA, the reference still on the CPU.
 """
 import os
 
@@ -15,6 +17,14 @@ pytest.importorskip("triton")
 from step15_flash_attention.reference import random_paged_case, reference_attention  # noqa: E402
 from step15_flash_attention.triton_attention import flash_attention_triton  # noqa: E402
 
+# Only an explicit TRITON_INTERPRET=0 with a GPU present leaves the interpreter (CI: unset, so CPU).
+DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" and torch.cuda.is_available() else "cpu"
+
+
+def on_device(case: tuple) -> tuple:
+    return tuple(t.to(DEVICE) for t in case)
+
+
 CASES = [
     ([1, 1, 1], [1, 16, 83]),                      # decodes only: one key, a full block, many blocks
     ([33], [33]),                                  # one whole prompt, partial last block
@@ -27,15 +37,15 @@ CASES = [
 def test_triton_equals_reference(dtype, tol, Hkv, group, bs, D):
     for i, (q_lens, seq_lens) in enumerate(CASES):
         case = random_paged_case(q_lens, seq_lens, Hkv, group, bs, D, dtype, seed=i)
-        out = flash_attention_triton(*case)
-        assert out.dtype == dtype and out.shape == case[0].shape
-        torch.testing.assert_close(out.float(), reference_attention(*case), atol=tol, rtol=tol)
+        out = flash_attention_triton(*on_device(case))
+        assert out.dtype == dtype and out.shape == case[0].shape and out.device.type == DEVICE
+        torch.testing.assert_close(out.float().cpu(), reference_attention(*case), atol=tol, rtol=tol)
 
 
 def test_triton_never_reads_keys_past_the_length():
     bs = 4
     q, k_pool, v_pool, cu, lens, tables = case = random_paged_case([1, 6, 3], [6, 9, 11], 2, 2, bs, 64, spare_blocks=4)
-    out = flash_attention_triton(*case)
+    out = flash_attention_triton(*on_device(case))
     k2, v2, used = k_pool.clone(), v_pool.clone(), set()
     for b, n in enumerate(lens.tolist()):
         last = int(tables[b, (n - 1) // bs])
@@ -43,22 +53,23 @@ def test_triton_never_reads_keys_past_the_length():
         used.update(tables[b, :(n - 1) // bs + 1].tolist())
     for blk in set(range(k_pool.shape[0])) - used:
         k2[blk], v2[blk] = float("nan"), float("nan")
-    torch.testing.assert_close(flash_attention_triton(q, k2, v2, cu, lens, tables), out)
+    torch.testing.assert_close(flash_attention_triton(*on_device((q, k2, v2, cu, lens, tables))), out)
 
 
 def test_triton_rejects_bad_input():
-    q, k_pool, v_pool, cu, lens, tables = random_paged_case([3, 1], [5, 9], 2, 2, 4, 64)
+    q, k_pool, v_pool, cu, lens, tables = on_device(random_paged_case([3, 1], [5, 9], 2, 2, 4, 64))
     with pytest.raises(TypeError, match="dtype"):
         flash_attention_triton(q, k_pool.bfloat16(), v_pool, cu, lens, tables)
     with pytest.raises(ValueError, match="outside the pool"):
         flash_attention_triton(q, k_pool, v_pool, cu, lens, tables.clone().fill_(99))
     with pytest.raises(ValueError, match="capacity"):
-        flash_attention_triton(q, k_pool, v_pool, cu, torch.tensor([5, 99]), tables)
-    q48, kp48, vp48, *_ = random_paged_case([3, 1], [5, 9], 2, 2, 4, 48)
+        flash_attention_triton(q, k_pool, v_pool, cu, torch.tensor([5, 99], device=DEVICE), tables)
+    q48, kp48, vp48, *_ = on_device(random_paged_case([3, 1], [5, 9], 2, 2, 4, 48))
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         flash_attention_triton(q48, kp48, vp48, cu, lens, tables)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="lesson 15's engine keeps its inputs on the CPU")
 def test_engine_with_the_triton_backend_equals_lesson14(tiny_qwen3_dir):
     from step04_transformer.loader import load_model
     from step06_sampler.params import SamplingParams
