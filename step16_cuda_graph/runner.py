@@ -22,16 +22,21 @@ change. So the runner records that program once per bucket and replays it:
            over memory per element-wise op. The program is each layer's body compiled by
            torch.compile (inductor writes C++ for the fused element-wise chains), with static
            shapes per bucket; the attention kernel and packed linears stay our own code,
-           called through custom ops (ops.py). All layers share one compiled body.
+           called through custom ops (ops.py). All layers share one compiled body, and after
+           the first call the runner calls what inductor built directly, without Dynamo's
+           checks in front of it (`DirectCall`): the CPU's version of a replay.
 
 Prefill steps, mixed steps and batches above the largest bucket run eagerly, as before.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
+import types
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +66,32 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 # those roughly halves the check, ~25 us a call, 28 calls a step.
 COMPILE_OPTIONS = {"emulate_precision_casts": True,
                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+
+
+def module_tensors(module: nn.Module) -> dict[str, Tensor]:
+    """Every tensor a module holds (parameters, buffers, plain attributes such as a packed
+    weight), by dotted name."""
+    found = {}
+    for prefix, m in module.named_modules():
+        for key, value in itertools.chain(m._parameters.items(), m._buffers.items(), vars(m).items()):
+            if isinstance(value, Tensor):
+                found[f"{prefix}.{key}"] = value
+    return found
+
+
+@dataclass
+class DirectCall:
+    """A bucket's compiled layer body, called without Dynamo: `fn` is what inductor built for
+    layer 0, `inputs[i]` the flat input list for layer i, with None where the step's x, cos and
+    sin go (at `slots`)."""
+    fn: Callable
+    inputs: list[list[Tensor | None]]
+    slots: tuple[int, int, int]
+
+    def __call__(self, i: int, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        args = list(self.inputs[i])
+        args[self.slots[0]], args[self.slots[1]], args[self.slots[2]] = x, cos, sin
+        return self.fn(*args)[0]
 
 
 @dataclass
@@ -131,9 +162,15 @@ class GraphRunner:
                                                     self.head_major, kernel)
                                     for i in range(cfg.num_layers)] for b in self.buckets}
         self.layer_body = _layer_body
+        self.direct: dict[int, DirectCall] = {}     # bucket -> its compiled body, called without Dynamo
+        self._built: tuple[Callable, list[Tensor], int] | None = None   # set by _inductor
         if self.mode == "compile":
-            self.layer_body = torch.compile(_layer_body, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS,
-                                            recompile_limit=64)    # one compiled body per bucket and pool shape
+            # Dynamo keeps what it compiled on the function's code object; a copy of the code for
+            # this runner alone keeps engines built one after another from piling up their buckets
+            # on one (and from reaching its recompile limit, past which it runs the body eagerly).
+            body = types.FunctionType(_layer_body.__code__.replace(), _layer_body.__globals__, "layer_body")
+            self.layer_body = torch.compile(body, dynamic=False, fullgraph=True, backend=self._inductor,
+                                            recompile_limit=64)    # one compiled body per bucket
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.graph_pool = None
         self.ready: set[int] = set()
@@ -174,15 +211,48 @@ class GraphRunner:
                          s.block_tables[:b], {q.dtype})
 
     # ---- the recorded step -----------------------------------------------------------------
+    def step_inputs(self, b: int) -> tuple[Tensor, Tensor, Tensor]:
+        """What every layer body gets besides its own weights and pool: x [b, hidden], cos, sin."""
+        m, s = self.model, self.static
+        pos = s.positions[:b]           # in range: checked in prepare (no host sync in here)
+        return m.model.embed_tokens(s.input_ids[:b]), m.rotary.cos[pos][:, None, :], m.rotary.sin[pos][:, None, :]
+
     def forward(self, b: int) -> Tensor:
         """The decode step of bucket b on the static buffers: [b] ids -> [b, hidden]."""
-        m, s = self.model, self.static
-        x = m.model.embed_tokens(s.input_ids[:b])
-        pos = s.positions[:b]           # in range: checked in prepare (no host sync in here)
-        cos, sin = m.rotary.cos[pos][:, None, :], m.rotary.sin[pos][:, None, :]
-        for layer, attention in zip(m.model.layers, self.layer_attention[b]):
-            x = self.layer_body(layer, x, cos, sin, attention)
-        return m.model.norm(x)
+        x, cos, sin = self.step_inputs(b)
+        direct = self.direct.get(b)
+        for i, (layer, attention) in enumerate(zip(self.model.model.layers, self.layer_attention[b])):
+            x = direct(i, x, cos, sin) if direct else self.layer_body(layer, x, cos, sin, attention)
+        return self.model.model.norm(x)
+
+    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable:
+        """torch.compile's backend: inductor, as torch.compile(options=COMPILE_OPTIONS) would run
+        it, keeping what it built (and the inputs it was built on) for `_direct_call`."""
+        from torch._inductor.compile_fx import compile_fx
+        fn = compile_fx(gm, example_inputs, config_patches={"emulate_precision_casts": True})
+        self._built = (fn, list(example_inputs), len(gm.graph.output_node().args[0]))
+        return fn
+
+    def _direct_call(self, b: int, step_inputs: tuple[Tensor, Tensor, Tensor]) -> DirectCall | None:
+        """Dynamo turned layer 0's body into a graph whose inputs are tensors: x, cos, sin, the
+        layer's weights, the attention's pool and step buffers. Find each by identity among
+        layer 0's tensors, then take the same ones from every other layer. None (Dynamo keeps
+        the calls) if an input is not found or the body returns more than x."""
+        fn, inputs, num_outputs = self._built
+        self._built = None
+        layers, attention = self.model.model.layers, self.layer_attention[b]
+        where = {id(t): ("layer", name) for name, t in module_tensors(layers[0]).items()}
+        where.update({id(t): ("attention", k) for k, t in vars(attention[0]).items() if isinstance(t, Tensor)})
+        where.update({id(t): ("step", k) for k, t in enumerate(step_inputs)})
+        paths = [where.get(id(t)) for t in inputs]
+        slots = tuple(i for k in range(3) for i, p in enumerate(paths) if p == ("step", k))
+        if num_outputs != 1 or None in paths or len(slots) != 3:
+            return None
+        per_layer = []
+        for layer, att in zip(layers, attention):
+            own = {"layer": module_tensors(layer), "attention": vars(att)}
+            per_layer.append([None if where == "step" else own[where][key] for where, key in paths])
+        return DirectCall(fn, per_layer, slots)
 
     @torch.inference_mode()
     def record(self, b: int) -> None:
@@ -202,7 +272,18 @@ class GraphRunner:
             self.graph_pool = graph.pool()
             self.graphs[b] = (graph, out)
         else:
-            self.forward(b)                       # the first call compiles
+            # The first call compiles, through Dynamo (which also checks, before every later call,
+            # that nothing it assumed changed: ~100 us a layer with the wrappers around it). A
+            # bucket's shapes never change, so the runner calls what inductor built directly,
+            # as a CUDA graph is replayed without looking at the code that made it.
+            x, cos, sin = self.step_inputs(b)
+            self._built = None
+            self.layer_body(self.model.model.layers[0], x, cos, sin, self.layer_attention[b][0])
+            if self._built is not None:
+                direct = self._direct_call(b, (x, cos, sin))
+                if direct is not None:
+                    self.direct[b] = direct
+            self.forward(b)
         self.ready.add(b)
 
     def record_all(self) -> float:

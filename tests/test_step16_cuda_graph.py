@@ -51,6 +51,7 @@ def test_engine_equals_naive_with_chunks_prefix_hits_and_eager_overflow(smol_fp3
     engine = GraphEngine(smol_fp32, PagedSchedulerConfig(kv_cache_bytes=400 * bpb, max_num_seqs=6,
                                                          max_num_batched_tokens=24), max_bucket=4)
     assert engine.runner is not None and engine.runner.buckets == [1, 2, 4]
+    assert set(engine.runner.direct) == {1, 2, 4}      # every bucket's body called without Dynamo
     assert [s.output_token_ids for s in engine.generate(prompts, params)] == ref       # chunked prefill
     assert [s.output_token_ids for s in engine.generate(prompts, params)] == ref       # prefix-cache hits
     replays = engine.runner.replays
@@ -124,6 +125,22 @@ def test_static_buffers_reused_and_one_compile_per_bucket(tiny):
     # One compiled layer body per bucket (or none if this shape was compiled earlier in the run):
     # the layers share it instead of compiling num_layers copies.
     assert counters["stats"]["unique_graphs"] - before <= 1
+
+
+@needs_kernel
+def test_direct_calls_give_what_dynamo_gives(tiny):
+    """A bucket's compiled body called directly (its inputs found once, by identity, in each
+    layer) returns exactly what the same body returns through Dynamo, for every layer."""
+    engine = GraphEngine(tiny, _config(tiny, max_num_seqs=2))
+    runner = engine.runner
+    assert set(runner.direct) == {1, 2}
+    engine.generate(_prompts(tiny, (5, 9)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for b in (1, 2):
+        direct = runner.forward(b)
+        calls, runner.direct = runner.direct, {}
+        via_dynamo = runner.forward(b)
+        runner.direct = calls
+        assert torch.equal(direct, via_dynamo)
 
 
 @needs_kernel
