@@ -200,9 +200,11 @@ class GraphRunner:
         s.slot_mapping[:b].copy_(slot_mapping)
         if self.head_major:
             s.rows[:b * self.pool.num_kv_heads].copy_(self.pool.head_rows(slot_mapping))
-        for i, seq in enumerate(batch.seqs):          # columns past a sequence's length are never read
-            n = -(-(pos[i] + 1) // bs)
-            s.block_tables[i, :n].copy_(host(seq.kv[:n]))
+        # One copy for the whole table (one per row cost ~10 us each); columns past a sequence's
+        # length are never read, so short rows are padded with block 0.
+        tables = [seq.kv[:-(-(p + 1) // bs)] for seq, p in zip(batch.seqs, pos)]
+        width = max(map(len, tables))
+        s.block_tables[:B, :width].copy_(host([t + [0] * (width - len(t)) for t in tables]))
         s.block_tables[B:b, 0] = self.scratch_block
         if self.head_major:   # the checks lesson 15's kernel makes, once a step, before any replay
             cfg = self.model.config
