@@ -41,6 +41,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VARIANTS = {
     "lesson 15": (FlashEngine, {}),
     "eager + packed head": (GraphEngine, {"use_graph": False}),
+    "compiled, via Dynamo": (GraphEngine, {"direct_calls": False}),
     "compiled (lesson 16)": (GraphEngine, {}),
 }
 

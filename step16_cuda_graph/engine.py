@@ -17,7 +17,8 @@ What changes against lesson 15:
     each step got new pages from the kernel, zeroed, one page fault each;
   - the sampler's greedy pick is one C pass over those logits (`ops.row_argmax`).
 `use_graph=False` is lesson 15's engine, with the packed head; `compile_mixed=False` keeps
-the buckets and runs prompt steps eagerly.
+the buckets and runs prompt steps eagerly; `direct_calls=False` sends every call of a
+bucket's compiled body through Dynamo (runner.py).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def packed_lm_head(model) -> PackedLinear | None:
 
 class GraphEngine(FlashEngine):
     def __init__(self, model, scheduler=None, *args, use_graph: bool = True, record_now: bool = True,
-                 max_bucket: int | None = None, compile_mixed: bool = True, **kwargs):
+                 max_bucket: int | None = None, compile_mixed: bool = True, direct_calls: bool = True, **kwargs):
         """max_bucket: the largest batch recorded (default max_num_seqs; vLLM's max_cudagraph_capture_size)."""
         super().__init__(model, scheduler, *args, **kwargs)
         self.lm_head = packed_lm_head(model)
@@ -74,7 +75,7 @@ class GraphEngine(FlashEngine):
             # Never handed to a sequence: padded rows of a bucket write their K/V here.
             scratch = self.scheduler.block_manager._take_free_block()
             self.runner = GraphRunner(model, self.kv_pool, self.attention,
-                                      max_bucket or self.scheduler.config.max_num_seqs, scratch)
+                                      max_bucket or self.scheduler.config.max_num_seqs, scratch, direct_calls)
             if record_now:
                 self.record_seconds = self.runner.record_all()
             if compile_mixed and self.runner.mode == "compile":

@@ -79,6 +79,22 @@ def module_tensors(module: nn.Module) -> dict[str, Tensor]:
     return found
 
 
+class KeepWhatInductorBuilt:
+    """A torch.compile backend: inductor, as torch.compile(options=COMPILE_OPTIONS) would run
+    it, keeping the last callable it built and the inputs it was built on (for `DirectCall`).
+    Its own object, not a method of the runner: Dynamo keeps every backend it was given in a
+    global table, and a bound method there would keep the runner, and its KV pool, alive."""
+
+    def __init__(self):
+        self.built: tuple[Callable, list[Tensor], int] | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+        fn = compile_fx(gm, example_inputs, config_patches={"emulate_precision_casts": True})
+        self.built = (fn, list(example_inputs), len(gm.graph.output_node().args[0]))
+        return fn
+
+
 @dataclass
 class DirectCall:
     """A bucket's compiled layer body, called without Dynamo: `fn` is what inductor built for
@@ -147,7 +163,9 @@ def _layer_body(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, attention
 class GraphRunner:
     """Runs decode-only steps of up to max_batch sequences through recorded per-bucket programs."""
 
-    def __init__(self, model, pool, backend: AttentionBackend, max_batch: int, scratch_block: int):
+    def __init__(self, model, pool, backend: AttentionBackend, max_batch: int, scratch_block: int,
+                 direct_calls: bool = True):
+        """direct_calls=False: every call of a compiled body goes through Dynamo (for comparison)."""
         self.model, self.pool, self.backend = model, pool, backend
         self.device = next(model.parameters()).device
         self.mode = "cuda-graph" if self.device.type == "cuda" else "compile"
@@ -163,13 +181,14 @@ class GraphRunner:
                                     for i in range(cfg.num_layers)] for b in self.buckets}
         self.layer_body = _layer_body
         self.direct: dict[int, DirectCall] = {}     # bucket -> its compiled body, called without Dynamo
-        self._built: tuple[Callable, list[Tensor], int] | None = None   # set by _inductor
+        self.direct_calls = direct_calls
+        self.backend = KeepWhatInductorBuilt()
         if self.mode == "compile":
             # Dynamo keeps what it compiled on the function's code object; a copy of the code for
             # this runner alone keeps engines built one after another from piling up their buckets
             # on one (and from reaching its recompile limit, past which it runs the body eagerly).
             body = types.FunctionType(_layer_body.__code__.replace(), _layer_body.__globals__, "layer_body")
-            self.layer_body = torch.compile(body, dynamic=False, fullgraph=True, backend=self._inductor,
+            self.layer_body = torch.compile(body, dynamic=False, fullgraph=True, backend=self.backend,
                                             recompile_limit=64)    # one compiled body per bucket
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.graph_pool = None
@@ -227,21 +246,13 @@ class GraphRunner:
             x = direct(i, x, cos, sin) if direct else self.layer_body(layer, x, cos, sin, attention)
         return self.model.model.norm(x)
 
-    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable:
-        """torch.compile's backend: inductor, as torch.compile(options=COMPILE_OPTIONS) would run
-        it, keeping what it built (and the inputs it was built on) for `_direct_call`."""
-        from torch._inductor.compile_fx import compile_fx
-        fn = compile_fx(gm, example_inputs, config_patches={"emulate_precision_casts": True})
-        self._built = (fn, list(example_inputs), len(gm.graph.output_node().args[0]))
-        return fn
-
-    def _direct_call(self, b: int, step_inputs: tuple[Tensor, Tensor, Tensor]) -> DirectCall | None:
+    def _direct_call(self, b: int, built: tuple[Callable, list[Tensor], int],
+                     step_inputs: tuple[Tensor, Tensor, Tensor]) -> DirectCall | None:
         """Dynamo turned layer 0's body into a graph whose inputs are tensors: x, cos, sin, the
         layer's weights, the attention's pool and step buffers. Find each by identity among
         layer 0's tensors, then take the same ones from every other layer. None (Dynamo keeps
         the calls) if an input is not found or the body returns more than x."""
-        fn, inputs, num_outputs = self._built
-        self._built = None
+        fn, inputs, num_outputs = built
         layers, attention = self.model.model.layers, self.layer_attention[b]
         where = {id(t): ("layer", name) for name, t in module_tensors(layers[0]).items()}
         where.update({id(t): ("attention", k) for k, t in vars(attention[0]).items() if isinstance(t, Tensor)})
@@ -279,10 +290,11 @@ class GraphRunner:
             # bucket's shapes never change, so the runner calls what inductor built directly,
             # as a CUDA graph is replayed without looking at the code that made it.
             x, cos, sin = self.step_inputs(b)
-            self._built = None
+            self.backend.built = None
             self.layer_body(self.model.model.layers[0], x, cos, sin, self.layer_attention[b][0])
-            if self._built is not None:
-                direct = self._direct_call(b, (x, cos, sin))
+            built, self.backend.built = self.backend.built, None   # the backend outlives the runner
+            if built is not None and self.direct_calls:
+                direct = self._direct_call(b, built, (x, cos, sin))
                 if direct is not None:
                     self.direct[b] = direct
             self.forward(b)

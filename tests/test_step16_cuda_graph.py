@@ -144,6 +144,20 @@ def test_direct_calls_give_what_dynamo_gives(tiny):
 
 
 @needs_kernel
+def test_a_dropped_engine_is_freed(tiny):
+    """Dynamo keeps every compile backend it is given in a global table; the runner's backend
+    must not hold the runner (its KV pool would never be freed: found 2026-12-04)."""
+    import gc
+    import weakref
+    engine = GraphEngine(tiny, _config(tiny, max_num_seqs=2))
+    assert engine.runner.direct
+    runner, pool = weakref.ref(engine.runner), weakref.ref(engine.kv_pool)
+    del engine
+    gc.collect()
+    assert runner() is None and pool() is None
+
+
+@needs_kernel
 def test_falls_back_to_eager_without_compile(monkeypatch, tiny):
     prompts = _prompts(tiny, (6, 13))
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
