@@ -40,6 +40,7 @@ class LLMEngine:
                  eos_ids: Seq[int] | None = None, sampler: Sampler | None = None):
         self.model = model
         self.dtype = model.model.embed_tokens.weight.dtype
+        self.device = model.model.embed_tokens.weight.device
         if not isinstance(scheduler, Scheduler):
             scheduler = self.make_scheduler(scheduler or SchedulerConfig())
         self.scheduler = scheduler
@@ -88,10 +89,12 @@ class LLMEngine:
             if start + n == seq.num_tokens:          # prompt done (or a decode): sample its next token
                 last_rows.append(off - 1)
                 sampled.append(seq)
-        hidden = self.run_model(batch, torch.tensor(ids), torch.tensor(positions))
+        # Made on the model's device: the embedding, RoPE tables and hidden states live there.
+        hidden = self.run_model(batch, torch.tensor(ids, device=self.device),
+                                torch.tensor(positions, device=self.device))
         tokens: list[int] = []
         if sampled:
-            logits = self.compute_logits(hidden[torch.tensor(last_rows)])
+            logits = self.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
             tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled]).tolist()
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n

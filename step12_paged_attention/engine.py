@@ -17,7 +17,7 @@ class PagedEngine(LLMEngine):
         if not isinstance(config, PagedSchedulerConfig):
             raise TypeError("PagedEngine needs a PagedSchedulerConfig (block_size, kv_cache_bytes)")
         self.kv_pool = self.pool_class.from_memory_budget(self.model.config, config.kv_cache_bytes,
-                                                 config.block_size, self.dtype)
+                                                 config.block_size, self.dtype, self.device)
         return self.scheduler_class(config, self.block_manager_class(self.kv_pool.num_blocks, config.block_size))
 
     def prepare_kv(self, batch: ScheduledBatch) -> None:

@@ -13,10 +13,12 @@ from step09_continuous_batching.scheduler import ScheduledBatch
 class KVPool:
     """Per layer K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        # On the model's device: attention reads the pool there, every layer of every step.
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
@@ -26,13 +28,13 @@ class KVPool:
 
     @classmethod
     def from_memory_budget(cls, cfg: ModelConfig, kv_cache_bytes: int, block_size: int,
-                           dtype: torch.dtype) -> "KVPool":
+                           dtype: torch.dtype, device: torch.device | str = "cpu") -> "KVPool":
         """vLLM sizes its pool from gpu_memory_utilization; here the budget is given in bytes."""
         num_blocks = kv_cache_bytes // cls.bytes_per_block(cfg, block_size, dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is less than one block "
                              f"({cls.bytes_per_block(cfg, block_size, dtype)} bytes)")
-        return cls(cfg, int(num_blocks), block_size, dtype)
+        return cls(cfg, int(num_blocks), block_size, dtype, device)
 
     @property
     def nbytes(self) -> int:

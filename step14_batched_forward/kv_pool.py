@@ -17,17 +17,18 @@ from step12_paged_attention.kv_pool import KVPool
 
 
 class HeadMajorKVPool(KVPool):
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.num_blocks, self.block_size, self.num_kv_heads = num_blocks, block_size, cfg.num_kv_heads
 
     def head_rows(self, slot_mapping: Tensor) -> Tensor:
         """Row of (token, head) in the pool seen as [num_blocks * Hkv * block_size, D]: [T * Hkv]."""
         bs, H = self.block_size, self.num_kv_heads
         block, offset = slot_mapping // bs, slot_mapping % bs
-        heads = torch.arange(H)
+        heads = torch.arange(H, device=slot_mapping.device)
         return ((block[:, None] * H + heads[None, :]) * bs + offset[:, None]).flatten()
 
     def write(self, layer: int, slot_mapping: Tensor, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
@@ -45,4 +46,4 @@ class HeadMajorKVPool(KVPool):
     def piece_index(self, block_tables: Tensor) -> Tensor:
         """Index of each (sequence, head, block) piece in the pool seen as [num_blocks * Hkv, bs, D]."""
         H = self.num_kv_heads
-        return (block_tables[:, None, :] * H + torch.arange(H)[None, :, None]).flatten()
+        return (block_tables[:, None, :] * H + torch.arange(H, device=block_tables.device)[None, :, None]).flatten()

@@ -52,7 +52,8 @@ def pack_linears(model: nn.Module) -> int:
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and can_pack(child.weight.dtype):
+            # oneDNN's blocked layout is for its CPU matmuls; a GPU's linears stay as they are.
+            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and can_pack(child.weight.dtype):
                 setattr(parent, name, PackedLinear(child))
                 done += 1
     return done

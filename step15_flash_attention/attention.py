@@ -39,6 +39,11 @@ class FlashPagedAttention:
         seq_of_row = torch.repeat_interleave(torch.arange(B), q_lens)
         pos = starts[seq_of_row] + torch.arange(int(q_lens.sum())) - self.cu_seqlens_q[seq_of_row]
         self.slot_mapping = self.block_tables[seq_of_row, pos // bs] * bs + pos % bs
+        # Built on the host from Python lists, then one copy each to where the pool and the
+        # kernel are (on a CPU, .to returns the same tensor: no copy).
+        device = pool.k[0].device
+        self.cu_seqlens_q, self.seq_lens = self.cu_seqlens_q.to(device), self.seq_lens.to(device)
+        self.block_tables, self.slot_mapping = self.block_tables.to(device), self.slot_mapping.to(device)
         # Head-major pools write (token, head) rows; computed once, used by every layer.
         self.rows = pool.head_rows(self.slot_mapping) if isinstance(pool, HeadMajorKVPool) else None
 
