@@ -51,7 +51,7 @@ def _cpu_kernel(q, k_pool, v_pool, cu, lens, tables, check: bool = True) -> Tens
 
 def _triton_kernel(q, k_pool, v_pool, cu, lens, tables, check: bool = True) -> Tensor:
     from step15_flash_attention.triton_attention import flash_attention_triton
-    return flash_attention_triton(q, k_pool, v_pool, cu, lens, tables)   # checks every call
+    return flash_attention_triton(q, k_pool, v_pool, cu, lens, tables, check=check)
 
 
 def _flash_attn_kernel(q, k_pool, v_pool, cu, lens, tables, check: bool = True) -> Tensor:

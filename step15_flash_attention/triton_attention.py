@@ -133,6 +133,11 @@ def flash_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, cu_seqlens
     q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
     cu, lens, tables = cu_seqlens_q.contiguous(), seq_lens.contiguous(), block_tables.contiguous()
     args = (q, k_pool, v_pool, out, cu, lens, tables, scale, tables.shape[1])
+    if B == T:
+        # One query per sequence (each has at least one): decodes only, known from the shapes
+        # alone, so nothing is read back from the GPU (a CUDA graph capture forbids that).
+        _decode[(B, Hq)](*args, HQ=Hq, HKV=Hkv, BS=bs, D=D, BLOCK_N=block_n)
+        return out
     q_lens = cu_seqlens_q.diff()
     if bool((q_lens == 1).any()):
         _decode[(B, Hq)](*args, HQ=Hq, HKV=Hkv, BS=bs, D=D, BLOCK_N=block_n)
