@@ -69,7 +69,6 @@ def test_triton_rejects_bad_input():
         flash_attention_triton(q48, kp48, vp48, cu, lens, tables)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="lesson 15's engine keeps its inputs on the CPU")
 def test_engine_with_the_triton_backend_equals_lesson14(tiny_qwen3_dir):
     from step04_transformer.loader import load_model
     from step06_sampler.params import SamplingParams
@@ -83,6 +82,6 @@ def test_engine_with_the_triton_backend_equals_lesson14(tiny_qwen3_dir):
     config = PagedSchedulerConfig(block_size=8, kv_cache_bytes=32 * KVPool.bytes_per_block(model.config, 8, torch.float32),
                                   max_num_seqs=3, max_num_batched_tokens=16)
     ref = [s.output_token_ids for s in BatchedEngine(model, config, pack_weights=False).generate(prompts, sp)]
-    engine = FlashEngine(model, config, attention_backend="triton")
+    engine = FlashEngine(model.to(DEVICE), config, attention_backend="triton")   # pool and metadata follow
     assert engine.attention.name == "triton"
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref

@@ -363,3 +363,20 @@ def test_row_argmax_picks_what_torch_picks():
     logits = torch.randn(3, 50, generator=g)
     params = [SamplingParams(temperature=0)] * 3
     assert torch.equal(KernelSampler()(logits, params), logits.argmax(dim=-1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_engine_gives_the_tokens_of_the_cpu_engine(tiny_qwen3_dir):
+    from step15_flash_attention.engine import FlashEngine
+    from step15_flash_attention.triton_attention import triton_available
+    if not triton_available():
+        pytest.skip("no Triton for CUDA here")
+    model = load_model(tiny_qwen3_dir, torch.float32)
+    prompts = _prompts(model, [5, 17, 30, 9, 40, 3])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [s.output_token_ids for s in FlashEngine(model, _config(model), attention_backend="torch",
+                                                    use_kernel=False).generate(prompts, sp)]
+    engine = GraphEngine(model.to("cuda"), _config(model), attention_backend="triton", use_kernel=False)
+    assert engine.runner.mode == "cuda-graph" and engine.kv_pool.k[0].is_cuda
+    assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+    assert sum(engine.runner.replays.values()) > 0       # decode steps went through the graphs
