@@ -63,7 +63,8 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 # guard_filter_fn: before each call, Dynamo checks that what the compiled code assumed still
 # holds ("guards"). Most guards are on the layer modules' Python attributes, which no one
 # changes after the engine is built (the weights are inputs, checked as tensors). Dropping
-# those roughly halves the check, ~25 us a call, 28 calls a step.
+# those roughly halves the check, ~25 us a call, 28 calls a step. Used by the prompt-step
+# body (mixed.py); the decode buckets skip Dynamo altogether after their first call.
 COMPILE_OPTIONS = {"emulate_precision_casts": True,
                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
@@ -80,8 +81,8 @@ def module_tensors(module: nn.Module) -> dict[str, Tensor]:
 
 
 class KeepWhatInductorBuilt:
-    """A torch.compile backend: inductor, as torch.compile(options=COMPILE_OPTIONS) would run
-    it, keeping the last callable it built and the inputs it was built on (for `DirectCall`).
+    """A torch.compile backend: inductor with emulate_precision_casts (as COMPILE_OPTIONS),
+    keeping the last callable it built and the inputs it was built on (for `DirectCall`).
     Its own object, not a method of the runner: Dynamo keeps every backend it was given in a
     global table, and a bound method there would keep the runner, and its KV pool, alive."""
 
