@@ -36,6 +36,26 @@ def triton_available() -> bool:
     return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def default_tiles(device: torch.device) -> tuple[int, int, int]:
+    """(decode key tile, prefill query tile, prefill key tile) for the kernels on `device`.
+
+    Compiled on CUDA: a decode program's grid is (sequence, query head) whatever its key tile,
+    so a wider tile costs no programs and gives each loop step more K/V bytes in flight (the
+    walk is latency-bound with 16 keys). A prefill query tile is a trade: 64 rows make 4x fewer
+    programs than 16 (4 prompts of 1024 tokens, 16 heads: 1024, still ~8 per SM on 132) but
+    read each K/V tile once per 64 queries instead of 16, on tensor-core-sized dots; 128 x 64
+    gave too few, heavier programs. Measured on one H200 on 2026-12-04 (advanced/adv04's
+    bench_gpu.py, Qwen3-0.6B shape, bf16): 64 decodes of 1000 keys 0.391 -> 0.231 ms, one of
+    32k keys 4.09 -> 2.62 ms, 4 x 1024-token prompts 0.336 ms (16 x 16) -> 0.134 ms (64 x 32;
+    128 x 64: 0.162). In the interpreter (TRITON_INTERPRET=1, CPU tests) numpy runs each
+    program in turn and masked rows and keys are work too: small tiles keep the tests quick.
+    Any tile works with any block size: each key finds its block through the table.
+    """
+    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return 64, 64, 32
+    return 16, 16, 16
+
+
 if triton is not None:
     @triton.jit
     def _prefill(Q, K, V, O, CU, LENS, TABLES, scale, max_blocks,
@@ -113,8 +133,11 @@ if triton is not None:
 
 def flash_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
                            block_tables: Tensor, scale: float | None = None, check: bool = True,
-                           block_m: int = 16, block_n: int = 16) -> Tensor:
-    """Paged varlen attention (reference.py's convention): decodes through `_decode`, the rest through `_prefill`."""
+                           block_m: int | None = None, block_n: int | None = None) -> Tensor:
+    """Paged varlen attention (reference.py's convention): decodes through `_decode`, the rest through `_prefill`.
+
+    Tiles left as None come from `default_tiles(q.device)`; `block_n` given sets both kernels' key tile.
+    """
     from step15_flash_attention.flash_cpu import check_inputs
     if not triton_available():
         raise RuntimeError("Triton needs a CUDA GPU here, or TRITON_INTERPRET=1 set before import to run on a CPU")
@@ -130,23 +153,26 @@ def flash_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, cu_seqlens
     if B == 0:
         return out
     scale = D ** -0.5 if scale is None else scale
+    decode_n, prefill_m, prefill_n = default_tiles(q.device)
+    decode_n, prefill_n = (decode_n, prefill_n) if block_n is None else (block_n, block_n)
+    block_m = prefill_m if block_m is None else block_m
     q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
     cu, lens, tables = cu_seqlens_q.contiguous(), seq_lens.contiguous(), block_tables.contiguous()
     args = (q, k_pool, v_pool, out, cu, lens, tables, scale, tables.shape[1])
     if B == T:
         # One query per sequence (each has at least one): decodes only, known from the shapes
         # alone, so nothing is read back from the GPU (a CUDA graph capture forbids that).
-        _decode[(B, Hq)](*args, HQ=Hq, HKV=Hkv, BS=bs, D=D, BLOCK_N=block_n)
+        _decode[(B, Hq)](*args, HQ=Hq, HKV=Hkv, BS=bs, D=D, BLOCK_N=decode_n)
         return out
     q_lens = cu_seqlens_q.diff()
     if bool((q_lens == 1).any()):
-        _decode[(B, Hq)](*args, HQ=Hq, HKV=Hkv, BS=bs, D=D, BLOCK_N=block_n)
+        _decode[(B, Hq)](*args, HQ=Hq, HKV=Hkv, BS=bs, D=D, BLOCK_N=decode_n)
     longest = int(q_lens.max())
     if longest > 1:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"   # fp32: no TF32 shortcut on the GPU
         # The interpreter (triton 3.9) multiplies bf16 tiles wrongly in tl.dot, so on a CPU the tiles
         # are widened to float32 first; on a GPU bf16 tiles go to the tensor cores as they are.
         _prefill[(B, Hq, triton.cdiv(longest, block_m))](*args, HQ=Hq, HKV=Hkv, BS=bs, D=D, BLOCK_M=block_m,
-                                                         BLOCK_N=block_n, PRECISION=precision,
+                                                         BLOCK_N=prefill_n, PRECISION=precision,
                                                          DOT_F32=q.device.type == "cpu")
     return out
