@@ -147,7 +147,7 @@ def amx_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tenso
 
 
 @library_op("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
-         fake=lambda x, packed_weight, bias, out_features: x.new_empty(x.shape[0], out_features))
+            fake=lambda x, packed_weight, bias, out_features: x.new_empty(x.shape[0], out_features))
 def packed_linear(x: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     """x [N, in] @ W^T + b with W in oneDNN's blocked layout: lesson 14's call, unchanged."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
@@ -219,7 +219,7 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tenso
 
 def row_argmax(x: Tensor) -> Tensor:
     """x.max(dim=-1).indices for float32 rows [B, V] in one C pass, both cores (lesson 06's
-    row_argmax, which spends ~5 ms on 64 x 151,936 logits here); torch's where it does not apply."""
+    row_argmax, which spent ~5 ms on 64 x 151,936 logits in a one-off timing here); torch's where it does not apply."""
     lib = kernels_library()
     if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.device.type != "cpu" \
             or x.shape[1] == 0:
@@ -239,7 +239,7 @@ def _qk_norm_rope_fake(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_head
 
 
 @library_op("qk_norm_rope(Tensor qkv, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "
-         "int num_heads, int num_kv_heads, float eps) -> (Tensor, Tensor)", fake=_qk_norm_rope_fake)
+            "int num_heads, int num_kv_heads, float eps) -> (Tensor, Tensor)", fake=_qk_norm_rope_fake)
 def qk_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor, sin: Tensor,
                  num_heads: int, num_kv_heads: int, eps: float) -> tuple[Tensor, Tensor]:
     """q [T, nh, D] and k [T, nkv, D] from the fused projection's output qkv [T, >= (nh+nkv) D]:
@@ -258,7 +258,7 @@ def qk_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, 
 
 
 @library_op("silu_mul(Tensor gate_up) -> Tensor",
-         fake=lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+            fake=lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up for gate_up [N, 2I] = gate | up, rounded as lesson 04 rounds in bf16."""
     gate_up = gate_up.contiguous()
