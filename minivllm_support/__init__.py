@@ -1,1 +1,5 @@
-"""Support code that no lesson is about: finding the model, timing, the tiny test checkpoint."""
+"""Support code that no lesson is about: finding the model, timing, the tiny test checkpoint,
+what the CPU can do."""
+from minivllm_support.cpu import apply_baseline
+
+apply_baseline()   # MINIVLLM_BASELINE=1: torch's libraries act as on an AVX2 CPU (cpu.py)

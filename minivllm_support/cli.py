@@ -8,15 +8,19 @@ import platform
 
 import torch
 
+from minivllm_support import cpu
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=None, help="checkpoint folder (default: $MINIVLLM_MODEL, "
                    "a cached Qwen3-0.6B, else the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                   help="bf16 (default: oneDNN bf16 kernels beat fp32 on this CPU) or fp32")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="auto (default): bf16 where the CPU computes bf16 natively (AVX-512 BF16, AMX), "
+                        "else fp32 (minivllm_support/cpu.py); or force bf16 / fp32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     return p
 
@@ -25,23 +29,30 @@ def setup(args: argparse.Namespace) -> torch.dtype:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
+    args.dtype = resolve_dtype_name(args.dtype)    # what the prints then show: bf16 or fp32
     return DTYPES[args.dtype]
 
 
+def resolve_dtype_name(name: str) -> str:
+    """'auto' -> 'bf16' or 'fp32' by what this CPU computes natively; other names unchanged."""
+    return DTYPE_NAMES[cpu.auto_dtype()] if name == "auto" else name
+
+
 def machine() -> str:
-    """One line naming the machine and the day, printed with every measurement."""
-    cpu = platform.processor() or platform.machine()
+    """One line naming the machine, its CPU class (figures hold for that class only), the dtype
+    'auto' picks there, and the day; printed with every measurement."""
+    name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
+                    name = line.split(":", 1)[1].strip()
                     break
     except OSError:
         pass
     day = datetime.date.today().isoformat()
-    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}, {day}")
+    return (f"{name} [{cpu.describe()}, auto dtype {resolve_dtype_name('auto')}], {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, {day}")
 
 
 def identity_line(what: str, same: int, total: int, dtype: torch.dtype) -> str:

@@ -4,9 +4,11 @@ No torch headers are involved (they take a minute to compile); the kernel sees r
 and sizes, so the build is one `g++` call of about a second. The shared library is cached
 under `~/.cache/mini-vllm/kernels/`, named by a hash of the source, the flags and the CPU's
 feature flags, so an edited kernel (or a home folder shared with another CPU) gets a rebuild.
-It is compiled with `-march=native` for the machine it runs on and `-fopenmp`: torch ships
-its own `libgomp.so.1`, which is loaded first, so the kernel's parallel loop runs on torch's
-OpenMP threads rather than a second pool fighting for the cores.
+It is compiled for the machine it runs on (`-march=native`; flags per CPU architecture and OS
+in `minivllm_support/cpu.py`) and with `-fopenmp`: torch ships its own `libgomp.so.1`, which is
+loaded first, so the kernel's parallel loop runs on torch's OpenMP threads rather than a second
+pool fighting for the cores. Compiling and linking are two steps, so that -ffast-math stays a
+compile flag: at link time it would add a constructor that sets flush-to-zero for the process.
 
 Without a compiler (or with MINIVLLM_KERNEL=0) `load()` returns None and lesson 14 falls back
 to its gather-then-matmul path, which gives the same results, slower.
@@ -16,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -27,12 +28,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from minivllm_support import cpu
 from minivllm_support.models import cache_dir
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only",
-         "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
-LIBS = ["-lmvec"]   # vectorised expf from glibc, used under -ffast-math
 _FUNCS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 
 
@@ -40,23 +39,17 @@ def _build(target: Path, source: Path = SOURCE, include_dirs: tuple[Path, ...] =
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler '{cxx}' on PATH (set CXX or install g++)")
+    compile_flags, link_flags = cpu.kernel_flags()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
+        obj, out = Path(tmp) / "kernel.o", Path(tmp) / target.name
         includes = [f"-I{d}" for d in include_dirs]
-        res = subprocess.run([cxx, *FLAGS, *includes, str(source), "-o", str(out), *LIBS], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cxx} failed to build {source.name}:\n{res.stderr[-2000:]}")
+        for cmd in ([cxx, *compile_flags, *includes, "-c", str(source), "-o", str(obj)],
+                    [cxx, *link_flags, str(obj), "-o", str(out)]):
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"{cxx} failed to build {source.name}:\n{res.stderr[-2000:]}")
         os.replace(out, target)         # atomic: a concurrent reader sees no half-written library
-
-
-def _cpu_id() -> bytes:
-    """What -march=native depends on: a library built for one CPU may not run on another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "").encode()
-    except OSError:
-        return platform.processor().encode()
 
 
 def build_library(source: Path, include_dirs: tuple[Path, ...] = ()) -> ctypes.CDLL:
@@ -65,9 +58,10 @@ def build_library(source: Path, include_dirs: tuple[Path, ...] = ()) -> ctypes.C
     Raises RuntimeError or OSError when it cannot be built or loaded. Lesson 15 builds its
     kernel with this too.
     """
-    included = b"".join(p.read_bytes() for d in include_dirs for p in sorted(d.glob("*.cpp")))
-    key = hashlib.sha256(source.read_bytes() + included + " ".join(FLAGS + LIBS).encode()
-                         + platform.machine().encode() + _cpu_id())
+    headers = [*source.parent.glob("*.h"), *(p for d in include_dirs for p in [*d.glob("*.cpp"), *d.glob("*.h")])]
+    included = b"".join(p.read_bytes() for p in sorted(headers))
+    key = hashlib.sha256(source.read_bytes() + included + " ".join(sum(cpu.kernel_flags(), [])).encode()
+                         + cpu.cpu_id())
     target = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.is_file():
         _build(target, source, include_dirs)
@@ -88,6 +82,24 @@ def build_or_warn(source: Path, what: str, include_dirs: tuple[Path, ...] = ()) 
         return None
 
 
+def bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None) -> bool:
+    """Give `name` its C signature if the library exports it; False if it does not (a path the
+    build left out on this CPU must not be called, and must not crash the binding either)."""
+    try:
+        fn = getattr(lib, name)
+    except AttributeError:
+        return False
+    fn.argtypes, fn.restype = argtypes, restype
+    return True
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """The instruction set the library was built for (isa.h): 'amx', 'avx512_bf16', 'avx512',
+    'avx2', 'neon' or 'portable'."""
+    lib.kernel_isa.restype = ctypes.c_char_p
+    return lib.kernel_isa().decode()
+
+
 @lru_cache(maxsize=None)
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None if it cannot be built or is disabled."""
@@ -96,9 +108,7 @@ def load() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _FUNCS.values():
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float]
-        fn.restype = None
+        bind(lib, name, [ptr] * 7 + [i64] * 7 + [ctypes.c_float])
     lib.paged_decode_max_group.restype = lib.paged_decode_max_head_dim.restype = i64
     return lib
 

@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "isa.h"  // kernel_isa(): which path this build runs
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif

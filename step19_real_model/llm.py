@@ -26,6 +26,8 @@ from typing import Any, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
+from minivllm_support.cpu import auto_dtype
+
 from minivllm_support.models import load_tokenizer, resolve_model
 from step05_naive.generate import check_prompt
 from step09_continuous_batching.sequence import Sequence
@@ -35,9 +37,9 @@ from step19_real_model.engine import LLMEngine, build_engine
 from step19_real_model.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from step19_real_model.params import SamplingParams
 
-# "auto" is bf16: what vLLM's CPU backend picks too, and the fast path of lessons 14-16.
-DTYPES = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp32": torch.float32, "float32": torch.float32}
+# "auto": bf16 where the CPU computes bf16 natively (AVX-512 BF16, AMX), else float32
+# (minivllm_support/cpu.py); vLLM's CPU backend also picks by what the CPU supports.
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -54,9 +56,9 @@ class LLM:
                  tensor_parallel_size: int = 1, enforce_eager: bool = False):
         """model: a local Hugging Face folder; None finds one (MINIVLLM_MODEL, a cached Qwen3-0.6B,
         else the embedded SmolLM2-135M-Instruct). Weights never come from a hub."""
-        if isinstance(dtype, str) and dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or a torch dtype, got {dtype!r}")
-        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        if isinstance(dtype, str) and dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]} or a torch dtype, got {dtype!r}")
+        self.dtype = auto_dtype() if dtype == "auto" else DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.model_dir = resolve_model(model)
         self.tokenizer = load_tokenizer(self.model_dir)
         torch.set_grad_enabled(False)
