@@ -1,11 +1,10 @@
-// Two element-wise chains of a bf16 Qwen3 layer, each as one pass over its rows (AVX-512).
+// Two element-wise chains of a bf16 Qwen3 layer, each as one pass over its rows.
 //
 // torch.compile fuses these chains too, but in bf16 the code it writes converts between bf16
 // and float32 at every point where eager PyTorch rounds (so that both give the same numbers),
 // with generic conversion code; the q/k one also runs as two passes with a buffer between
-// them. Here a value is rounded to bf16 with one instruction (VCVTNEPS2BF16, round to nearest
-// even, as PyTorch rounds) at the same points, so the results are eager's, to the order of a
-// float32 sum.
+// them. Here a value is rounded to bf16 at the same points (round to nearest even, as PyTorch
+// rounds), so the results are eager's, to the order of a float32 sum:
 //
 //   qk_norm_rope   q and k of each token, straight out of the fused qkv projection:
 //                    RMSNorm per head (Qwen3's q_norm / k_norm; skipped without weights), then
@@ -13,15 +12,22 @@
 //                    out[i+D/2] = x[i+D/2] c[i+D/2] + x[i] s[i+D/2]
 //   silu_mul       silu(gate) * up of the fused gate|up projection (SwiGLU), with an exp good
 //                    to a few float32 ulp (bf16 keeps 8 bits)
-// and, for any CPU and dtype, write_kv: the step's K/V rows into the pool in one call, and
+//
+// Two builds of each: with AVX-512 BF16, 16 lanes in intrinsics and one instruction
+// (VCVTNEPS2BF16) per rounding; on every other CPU (AVX2, AVX-512 without BF16, ARM), plain
+// loops over float32 that the compiler vectorises for whatever -march/-mcpu it was given, the
+// rounding done with integer bit operations. kernel_isa() (isa.h) says which was built.
+// And, for any CPU and dtype, write_kv: the step's K/V rows into the pool in one call, and
 // row_argmax_f32: the greedy token of each row of float32 logits (AVX-512 where the CPU has it).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "isa.h"
+
 typedef uint16_t bf16;   // raw bits
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)   // else: elementwise_available() says 0
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 namespace {
@@ -113,12 +119,103 @@ void silu_mul_bf16(const bf16* gate_up, int64_t N, int64_t I, bf16* out) {
   }
 }
 
-int64_t elementwise_available() { return 1; }
+}  // extern "C"
+#else   // portable: any CPU, vectorised by the compiler
+namespace {
+
+inline float widen(bf16 x) {               // bf16 is the top half of a float32 (exact)
+  const uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline bf16 narrow(float x) {              // nearest even, NaN kept a (quiet) NaN
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16((u >> 16) | 0x40);
+  return bf16((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float round_bf16(float x) { return widen(narrow(x)); }
+
+// e^x as in the AVX-512 build (2^n e^r, degree-6 Taylor), clamped to [-80, 88] so that 2^n
+// can be made from exponent bits alone (e^-80 is 2e-35: silu's 1 + e^-x does not see it).
+inline float exp_poly(float x) {
+  const float xc = std::fmin(std::fmax(x, -80.0f), 88.0f);
+  const float n = std::nearbyint(xc * 1.44269504f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += int32_t(n) << 23;
+  std::memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+inline void norm_rope_row(const bf16* src, bf16* dst, const bf16* w, const float* c, const float* s, int64_t D,
+                          float eps) {
+  float x[256];                              // D <= 256
+  for (int64_t j = 0; j < D; ++j) x[j] = widen(src[j]);
+  if (w != nullptr) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < D; ++j) ss += x[j] * x[j];
+    const float r = 1.0f / std::sqrt(ss / float(D) + eps);
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) x[j] = round_bf16(widen(w[j]) * round_bf16(x[j] * r));
+  }
+  const int64_t H = D / 2;
+#pragma omp simd
+  for (int64_t j = 0; j < H; ++j) {
+    const float lo = x[j], hi = x[j + H];
+    dst[j] = narrow(round_bf16(lo * c[j]) + round_bf16(-hi * s[j]));
+    dst[j + H] = narrow(round_bf16(hi * c[j + H]) + round_bf16(lo * s[j + H]));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void qk_norm_rope_bf16(const bf16* qkv, int64_t T, int64_t row, int64_t nh, int64_t nkv, int64_t D,
+                       const bf16* qw, const bf16* kw, const float* cos, const float* sin, float eps,
+                       bf16* q_out, bf16* k_out) {
+#pragma omp parallel for if (T * (nh + nkv) >= 256)
+  for (int64_t t = 0; t < T; ++t) {
+    float c[256], s[256];
+    for (int64_t j = 0; j < D; ++j) c[j] = round_bf16(cos[t * D + j]), s[j] = round_bf16(sin[t * D + j]);
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      const bool is_q = h < nh;
+      bf16* dst = is_q ? q_out + (t * nh + h) * D : k_out + (t * nkv + h - nh) * D;
+      norm_rope_row(qkv + t * row + h * D, dst, is_q ? qw : kw, c, s, D, eps);
+    }
+  }
+}
+
+void silu_mul_bf16(const bf16* gate_up, int64_t N, int64_t I, bf16* out) {
+#pragma omp parallel for if (N * I >= 65536)
+  for (int64_t n = 0; n < N; ++n) {
+    const bf16* g = gate_up + n * 2 * I;
+    const bf16* u = g + I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+      const float x = widen(g[i]);
+      out[n * I + i] = narrow(round_bf16(x / (1.0f + exp_poly(-x))) * widen(u[i]));
+    }
+  }
+}
 
 }  // extern "C"
-#else
-extern "C" int64_t elementwise_available() { return 0; }
 #endif
+
+// Both builds have both kernels; kernel_isa() tells which build this is.
+extern "C" int64_t elementwise_available() { return 1; }
 
 extern "C" {
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import types
 from types import SimpleNamespace
 
 import torch
@@ -60,7 +61,12 @@ class MixedStepRunner:
 
     def __init__(self, model, pool):
         self.model, self.pool = model, pool
-        self.body = torch.compile(_mixed_layer_body, dynamic=None, fullgraph=True,
+        # A copy of the body's code per runner, as runner.py does for the buckets: Dynamo keeps
+        # compiled code per code object, and its guards skip nn modules (COMPILE_OPTIONS), so
+        # another engine's entry (say, an unfused model) would be checked against this model's
+        # layers and fail on a missing submodule instead of missing the cache.
+        body = types.FunctionType(_mixed_layer_body.__code__.replace(), _mixed_layer_body.__globals__, "mixed_layer_body")
+        self.body = torch.compile(body, dynamic=None, fullgraph=True,
                                   options=COMPILE_OPTIONS, recompile_limit=16)
         self.steps = 0
 

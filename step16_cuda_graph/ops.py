@@ -33,6 +33,7 @@ from step15_flash_attention.flash_cpu import flash_attention_cpu
 
 AMX_SOURCE = Path(__file__).with_name("amx_prefill.cpp")
 ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.cpp")
+LESSON14_DIR = Path(lesson14_kernel.__file__).parent      # isa.h
 _LIBRARY = torch.library.Library("minivllm", "FRAGMENT")
 
 
@@ -182,25 +183,27 @@ def route_packed_linears(model: torch.nn.Module) -> int:
 # ---- element-wise chains of a bf16 layer as one C pass each (elementwise.cpp) ---------------
 @lru_cache(maxsize=None)
 def kernels_library() -> ctypes.CDLL | None:
-    """elementwise.cpp built for this CPU, or None (no compiler, MINIVLLM_KERNEL=0)."""
-    lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "lesson 16's C kernels unavailable, torch's ops run instead")
+    """elementwise.cpp built for this CPU (its AVX-512 BF16 build or its portable one: ask
+    `lesson14_kernel.isa(lib)`), or None (no compiler, MINIVLLM_KERNEL=0). Only what the
+    library exports is bound; a missing function leaves the torch path in charge of it."""
+    lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "lesson 16's C kernels unavailable, torch's ops run instead",
+                                        (LESSON14_DIR,))
     if lib is None:
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.elementwise_available.restype = ctypes.c_int64
-    lib.qk_norm_rope_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
-    lib.silu_mul_bf16.argtypes = [ptr, i64, i64, ptr]
-    lib.write_kv.argtypes = [ptr, ptr] + [i64] * 5 + [ptr, ptr, ptr, i64, i64]
-    lib.row_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
-    for fn in (lib.qk_norm_rope_bf16, lib.silu_mul_bf16, lib.write_kv, lib.row_argmax_f32):
-        fn.restype = None
+    i64, ptr, bind = ctypes.c_int64, ctypes.c_void_p, lesson14_kernel.bind
+    bind(lib, "write_kv", [ptr, ptr] + [i64] * 5 + [ptr, ptr, ptr, i64, i64])
+    bind(lib, "row_argmax_f32", [ptr, i64, i64, i64, ptr])
+    lib.has_elementwise = (bind(lib, "elementwise_available", [], i64) and bool(lib.elementwise_available())
+                           and bind(lib, "qk_norm_rope_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
+                                                               ctypes.c_float, ptr, ptr])
+                           and bind(lib, "silu_mul_bf16", [ptr, i64, i64, ptr]))
     return lib
 
 
 def elementwise_library() -> ctypes.CDLL | None:
-    """The library where its bf16 element-wise kernels are compiled in (AVX-512 BF16), else None."""
+    """The library if its bf16 element-wise kernels are there, else None."""
     lib = kernels_library()
-    return lib if lib is not None and lib.elementwise_available() else None
+    return lib if lib is not None and lib.has_elementwise else None
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor) -> None:

@@ -112,7 +112,7 @@ def test_elementwise_kernels_round_as_lesson04_does():
     from step04_transformer.layers import RMSNorm, RotaryEmbedding
     from step16_cuda_graph import ops
     if ops.elementwise_library() is None:
-        pytest.skip("no AVX-512 BF16 here (or no compiler)")
+        pytest.skip("elementwise.cpp could not be built (no compiler, or MINIVLLM_KERNEL=0)")
     g = torch.Generator().manual_seed(0)
     T, nh, nkv, D, inner = 37, 4, 2, 64, 96
     qkv = torch.randn(T, (nh + 2 * nkv) * D, generator=g).bfloat16()
@@ -160,7 +160,7 @@ def test_bf16_smollm2_through_the_fast_paths_says_what_eager_says(smol_dir, smol
         pytest.skip("torch.compile does not work here")
     assert engine.num_fused == (2 * model.config.num_layers if engine.num_packed else 0)
     kernels = ops.elementwise_library() is not None and engine.num_fused > 0
-    assert all(layer.mlp.kernels == kernels for layer in model.model.layers)
+    assert all(getattr(layer.mlp, "kernels", False) == kernels for layer in model.model.layers)
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == want
 
 
