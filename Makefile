@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: demo test install clean-cache compare-vllm
+.PHONY: demo test test-baseline install clean-cache compare-vllm
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# The suite again as on an AVX2-only x86 CPU (minivllm_support/cpu.py): kernels built for
+# x86-64-v3, bf16 not native (dtype auto = fp32), torch's oneDNN/MKL/ATen capped at AVX2.
+test-baseline: $(STAMP)
+	MINIVLLM_BASELINE=1 $(PY) -m pytest tests $(BASELINE_TESTS)
 
 clean-cache:
 	rm -rf .cache

@@ -1,7 +1,8 @@
 """Throughput on the Qwen3-0.6B shape: lesson 14's engine vs Hugging Face `generate`, one run.
 
 Random weights (no checkpoint is needed to measure speed): 28 layers, hidden 1024, 16 heads,
-8 KV heads, head_dim 128, vocab 151936, tied embeddings, bf16. The workload: prompts of 64-512
+8 KV heads, head_dim 128, vocab 151936, tied embeddings; stored in bf16, run in --dtype (auto:
+bf16 where the CPU computes bf16 natively, else fp32). The workload: prompts of 64-512
 random token ids and 64-256 output tokens with ignore_eos, from a fixed seed.
 
     python step14_batched_forward/bench.py --threads 2
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm_support.cli import machine
+from minivllm_support.cli import DTYPES, machine, resolve_dtype_name
 from minivllm_support.models import cache_dir
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
@@ -87,6 +88,7 @@ def main() -> None:
     p.add_argument("--kv-gib", type=float, default=6.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="only HF generate (to search its best batch size)")
     p.add_argument("--ladder", action="store_true",
@@ -94,10 +96,12 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
+    dtype_name = resolve_dtype_name(args.dtype)
+    dtype = DTYPES[dtype_name]
+    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}\ndtype: {dtype_name}")
     path = random_qwen3_06b()
     from step04_transformer.loader import load_model
-    model = load_model(path, torch.bfloat16)
+    model = load_model(path, dtype)
     prompts, outs = workload(args.requests, args.seed, QWEN3_06B_SHAPE["vocab_size"])
     print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
           f"tokens (sum {sum(map(len, prompts))}), outputs {min(outs)}-{max(outs)} (sum {sum(outs)}), ignore_eos\n")
@@ -119,7 +123,7 @@ def main() -> None:
         return
     engine = None
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     n = min(args.hf_requests, len(prompts))
     best = 0.0
     for b in args.hf_batch:

