@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: demo test test-baseline install clean-cache compare-vllm
+.PHONY: demo test test-baseline install clean-cache compare-vllm check-arm
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
@@ -28,6 +28,11 @@ test: $(STAMP)
 # x86-64-v3, bf16 not native (dtype auto = fp32), torch's oneDNN/MKL/ATen capped at AVX2.
 test-baseline: $(STAMP)
 	MINIVLLM_BASELINE=1 $(PY) -m pytest tests $(BASELINE_TESTS)
+
+# Our C++ kernels cross-built for ARM (aarch64) and run under qemu against torch's reference
+# numbers, from an x86 machine. Needs: apt-get install g++-aarch64-linux-gnu qemu-user
+check-arm: $(STAMP)
+	$(PY) -m minivllm_support.arm_check
 
 clean-cache:
 	rm -rf .cache

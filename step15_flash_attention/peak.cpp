@@ -10,6 +10,18 @@
 namespace {
 typedef float vec16 __attribute__((vector_size(64)));
 
+#if defined(__aarch64__)
+// The empty asm below says "x may have changed", so the compiler cannot fold the loop away. On
+// x86 one vector register ("v") holds x; a NEON register ("w") holds 4 floats: four of them.
+typedef float vec4 __attribute__((vector_size(16)));
+inline void opaque(vec16& x) {
+  vec4 part[4];
+  __builtin_memcpy(part, &x, sizeof part);
+  __asm__ volatile("" : "+w"(part[0]), "+w"(part[1]), "+w"(part[2]), "+w"(part[3]));
+  __builtin_memcpy(&x, part, sizeof part);
+}
+#endif
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -23,7 +35,11 @@ double peak_fp32_fma_gflops(int64_t iters) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t it = 0; it < iters; ++it) {
     for (int j = 0; j < 16; ++j) acc[j] = acc[j] * x + y;  // one FMA each: 16 lanes x 2 FLOPs
+#if defined(__aarch64__)
+    opaque(x);
+#else
     __asm__ volatile("" : "+v"(x));                         // keep the loop from being folded away
+#endif
   }
   const double secs = seconds_since(t0);
   float sink = 0.f;
