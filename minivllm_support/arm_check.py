@@ -37,9 +37,9 @@ LIBRARIES = {
     "paged_decode": (S14 / "paged_decode.cpp", ()),
     "flash_attention": (S15 / "flash_attention.cpp", (S14,)),
     "flash_decode": (ROOT / "advanced/adv04_flash_decoding/flash_decode.cpp", (S15, S14)),
-    "amx_prefill": (S16 / "amx_prefill.cpp", ()),
+    "amx_prefill": (S16 / "amx_prefill.cpp", (S14,)),
     "elementwise": (S16 / "elementwise.cpp", (S14,)),
-    "peak": (S15 / "peak.cpp", ()),             # a benchmark: only built, never run here
+    "peak": (S15 / "peak.cpp", (S14,)),            # a benchmark: only built, never run here
 }
 Result = tuple[bool, str]                        # (passed, what was measured)
 

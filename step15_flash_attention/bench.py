@@ -55,8 +55,8 @@ def core_peaks() -> tuple[float, float]:
     """GFLOP/s of one core: float32 FMAs and bf16 dot products (-1: no AVX512-BF16), from peak.cpp."""
     import ctypes
     from pathlib import Path
-    from step14_batched_forward.kernel import build_library
-    lib = build_library(Path(__file__).with_name("peak.cpp"))
+    from step14_batched_forward import kernel
+    lib = kernel.build_library(Path(__file__).with_name("peak.cpp"), (Path(kernel.__file__).parent,))   # + isa.h
     for name in ("peak_fp32_fma_gflops", "peak_bf16_dot_gflops"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_double, [ctypes.c_int64]
     return lib.peak_fp32_fma_gflops(20_000_000), lib.peak_bf16_dot_gflops(20_000_000)

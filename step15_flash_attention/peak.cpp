@@ -3,6 +3,8 @@
 // 16-lane operations, no memory traffic. bench.py prints both next to the kernel's rate.
 #include <chrono>
 #include <cstdint>
+
+#include "isa.h"  // kernel_isa() (lesson 14's folder, on the include path)
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif

@@ -31,6 +31,8 @@
 #include <memory>
 #include <vector>
 
+#include "isa.h"  // kernel_isa() (lesson 14's folder, on the include path)
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define HAVE_AMX 1
 #include <immintrin.h>

@@ -113,7 +113,8 @@ def prompts_apart(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Ten
 def amx_library() -> ctypes.CDLL | None:
     """amx_prefill.cpp built for this CPU, or None where it has no AMX tiles (or no compiler,
     or MINIVLLM_KERNEL=0)."""
-    lib = lesson14_kernel.build_or_warn(AMX_SOURCE, "AMX prompt attention unavailable, using torch's SDPA")
+    lib = lesson14_kernel.build_or_warn(AMX_SOURCE, "AMX prompt attention unavailable, using torch's SDPA",
+                                        (LESSON14_DIR,))
     if lib is None:
         return None
     lib.amx_prefill_available.restype = ctypes.c_int64
