@@ -48,6 +48,16 @@ def apply_baseline() -> None:
         os.environ.update(TORCH_BASELINE_ENV)
 
 
+def set_inductor_cache(root) -> None:
+    """Lesson 16's compiled code goes to `root`/inductor-<ATen CPU capability> (unless
+    TORCHINDUCTOR_CACHE_DIR is set): inductor's cache key does not tell code built with ATen
+    capped at AVX2 (baseline mode) from the rest, and such an entry aborted a later uncapped
+    run here. Set at import: the first caller of inductor's cache_dir() (importing triton is
+    one) fixes the folder for the process."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(root, f"inductor-{torch.backends.cpu.get_cpu_capability().lower()}"))
+
+
 @lru_cache(maxsize=None)
 def features() -> frozenset[str]:
     """The instruction-set features that matter here, as this CPU reports them (baseline mode

@@ -31,7 +31,6 @@ Prefill steps, mixed steps and batches above the largest bucket run eagerly, as 
 from __future__ import annotations
 
 import itertools
-import os
 import time
 import types
 import warnings
@@ -42,14 +41,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from minivllm_support.models import cache_dir
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step14_batched_forward.kv_pool import HeadMajorKVPool
 from step15_flash_attention.backends import AttentionBackend
 from step15_flash_attention.flash_cpu import check_inputs
 
-# Inductor keeps the C++ it compiled on disk, keyed by the graph: a second start skips the compiler.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+# Inductor keeps the C++ it compiled on disk, keyed by the graph: a second start skips the
+# compiler. The folder (TORCHINDUCTOR_CACHE_DIR) is set when minivllm_support is imported
+# (cpu.set_inductor_cache): it must be set before anything asks inductor for it.
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
