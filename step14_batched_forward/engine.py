@@ -34,7 +34,8 @@ class BatchedEngine(PrefixCachingEngine):
         self.workspace = Workspace()
         # Decodes go through the C++ paged kernel when it builds (else the torch gather path).
         self.use_kernel = use_kernel and kernel.load() is not None
-        # bf16 linears get their weights pre-packed for oneDNN, once (the model changes in place).
+        # Linears get their weights pre-packed for oneDNN, once (the model changes in place): bf16
+        # where oneDNN computes bf16, float32 on x86 (packed_linear.py).
         self.num_packed = pack_linears(self.model) if pack_weights else 0
 
     def make_backend(self, batch: ScheduledBatch) -> VarlenPagedAttention:

@@ -3,7 +3,9 @@
     python step14_batched_forward/microbench.py
 
 1. how fast this machine reads memory (a sum over 2 GiB), the floor for a memory-bound step;
-2. one bf16 linear, 3072 x 1024 weight, 64 rows: `F.linear` vs the pre-packed weight;
+2. one bf16 linear, 3072 x 1024 weight, 64 rows: `F.linear` vs the pre-packed weight; then
+   out of cache (12 such weights in turn, 75 MB bf16 / 150 MB float32) at 1, 8, 64 and 512
+   rows, in the dtypes this CPU packs: the figures behind packing float32 too;
 3. how long the kernel takes to build (into a temporary folder, not the cache);
 4. the decode kernel for one layer of the Qwen3-0.6B shape, 64 sequences x 360 tokens: K/V
    blocks scattered through a large pool, then every sequence reading the same 8 blocks
@@ -34,6 +36,26 @@ def per_call(fn, repeat: int) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
+def linears_out_of_cache(rows_list=(1, 8, 64, 512), rounds: int = 3) -> None:
+    """F.linear vs packed over 12 weights of 3072 x 1024 in turn (more than the caches hold),
+    the two taking turns `rounds` times; the best round of each."""
+    for dtype in (torch.float32, torch.bfloat16):
+        if not can_pack(dtype):
+            print(f"linears out of cache, {dtype}: not packed on this CPU")
+            continue
+        weights = [(torch.randn(3072, 1024) * 0.02).to(dtype) for _ in range(12)]
+        packed = [PackedLinear(torch.nn.Linear(1024, 3072, bias=False, dtype=dtype)) for _ in range(12)]
+        print(f"linears out of cache, {dtype}, 12 x (3072 x 1024), ms for all 12 (best of {rounds}, in turns):")
+        for rows in rows_list:
+            x = torch.randn(rows, 1024).to(dtype)
+            best = {"F.linear": float("inf"), "packed": float("inf")}
+            for _ in range(rounds):
+                best["F.linear"] = min(best["F.linear"], per_call(lambda: [F.linear(x, w) for w in weights], 5))
+                best["packed"] = min(best["packed"], per_call(lambda: [lin(x) for lin in packed], 5))
+            print(f"  {rows:4d} rows: F.linear {best['F.linear'] * 1e3:7.2f}, packed {best['packed'] * 1e3:7.2f}"
+                  f"  ({best['F.linear'] / best['packed']:.2f}x)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -55,6 +77,7 @@ def main() -> None:
         packed = PackedLinear(lin)
         line += f", packed {per_call(lambda: packed(x), 200) * 1e3:.2f} ms"
     print(line)     # a best case: called again and again, the 6 MB weight may stay in the cache
+    linears_out_of_cache()
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

@@ -8,14 +8,20 @@ unpacked and 0.25 ms packed (`microbench.py`).
 Packing once at load time, as vLLM's CPU backend and torch.compile's "freezing" do, leaves one
 read per step. The results are the same numbers: the packed matmul runs the same kernel.
 
-Packing needs torch's oneDNN ops (`torch.ops.mkldnn`, in every x86 CPU build of torch);
-where they are missing, or for float32 (where the gain is small and the tests want the plain
-path), `pack_linears` leaves the model unchanged and says how many layers it packed.
+Packing needs torch's oneDNN ops (`torch.ops.mkldnn`, in every x86 CPU build of torch), and
+bf16 needs a CPU whose oneDNN computes bf16 (AVX-512 BF16 or AMX). float32 is packed on every
+x86 CPU: there `F.linear` goes to MKL, and oneDNN's packed float32 matmul beat it 1.3-2.6x on
+an AMD EPYC (`bench.py linears`, lesson 14's README), where MKL takes a slow path. The sums run
+in another order, so packed float32 results differ from F.linear's in the last bits (~1e-6).
+Where nothing applies (ARM: not measured there), `pack_linears` leaves the model unchanged and
+says how many layers it packed.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from minivllm_support import cpu
 
 
 class PackedLinear(nn.Module):
@@ -36,15 +42,18 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    if dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
-    return (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-            and bool(ops._is_mkldnn_bf16_supported()))
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    if dtype == torch.float32:
+        return cpu.arch() == "x86_64"
+    return bool(ops._is_mkldnn_bf16_supported())
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every bf16 nn.Linear inside `model` by a PackedLinear, in place; returns how many.
+    """Replace every nn.Linear inside `model` that can_pack by a PackedLinear, in place; returns how many.
 
     In place, like vLLM's `process_weights_after_loading`: the packed copy replaces the
     original, so the weights are not held twice.

@@ -14,9 +14,9 @@ step each call has a fixed cost (dispatch, splitting the work across the cores, 
 memory streams again), and at 64 rows those costs are a good part of the call. vLLM builds its
 models this way (QKVParallelLinear, MergedColumnParallelLinear).
 
-Only lesson 14's packed bf16 linears are fused (the CPU path this lesson compiles); float32
-models and anything another lesson put in their place (quantized, tensor-parallel) are left
-as they are.
+Only lesson 14's packed linears are fused (bf16, and float32 on x86: the CPU path this lesson
+compiles); anything another lesson put in their place (quantized, tensor-parallel) is left as
+it is.
 """
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def fuse_projections(model: nn.Module, kernels: bool = False) -> int:
 
     kernels: the element-wise chains after the fused projections go to elementwise.cpp (where
     it builds: AVX-512 BF16) instead of torch's ops."""
-    kernels = kernels and elementwise_fits(model.config.head_dim, model.config.intermediate_size)
+    bf16 = model.model.embed_tokens.weight.dtype == torch.bfloat16       # the C passes are bf16 only
+    kernels = kernels and bf16 and elementwise_fits(model.config.head_dim, model.config.intermediate_size)
     done = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from minivllm_support import cpu
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
@@ -98,38 +99,56 @@ def test_without_a_compiler_the_engine_falls_back(monkeypatch, tmp_path, tiny_qw
         kernel.load.cache_clear()
 
 
-needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+def packing(dtype: torch.dtype):
+    """`dtype` as a test parameter, skipped (and saying why) where this CPU packs no such linears."""
+    why = "no oneDNN bf16 on this CPU" if dtype == torch.bfloat16 else "float32 is packed on x86 only"
+    return pytest.param(dtype, marks=pytest.mark.skipif(not can_pack(dtype), reason=why), id=str(dtype)[6:])
 
 
-@needs_packing
+PACKED_DTYPES = [packing(torch.bfloat16), packing(torch.float32)]
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_linear(rows, bias):
+def test_packed_linear_equals_linear(rows, bias, dtype):
+    """bf16: the same oneDNN kernel as F.linear, only the weight copy is saved: equal bits.
+    float32: F.linear goes to MKL, the packed weight to oneDNN: equal to float32 rounding."""
     torch.manual_seed(0)
-    lin = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
-    x = torch.randn(rows, 96).to(torch.bfloat16)
+    lin = torch.nn.Linear(96, 160, bias=bias).to(dtype)
+    x = torch.randn(rows, 96).to(dtype)
     with torch.no_grad():
         want = lin(x)
         got = PackedLinear(lin)(x)
         got3 = PackedLinear(lin)(x.view(1, rows, 96))
-    assert torch.equal(got, want)                  # same oneDNN kernel, only the weight copy is saved
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert got3.shape == (1, rows, 160)
 
 
-@needs_packing
-def test_engine_with_packed_weights_gives_the_same_tokens(tiny_qwen3_dir):
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_engine_with_packed_weights_gives_the_same_tokens(tiny_qwen3_dir, dtype):
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(40, 70))]
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
     outs = []
     for pack in (False, True):
-        model = load_model(tiny_qwen3_dir, torch.bfloat16)
+        model = load_model(tiny_qwen3_dir, dtype)
         engine = BatchedEngine(model, PagedSchedulerConfig(kv_cache_bytes=2**20), pack_weights=pack)
         assert engine.num_packed == (7 * model.config.num_layers if pack else 0)
         outs.append([s.output_token_ids for s in engine.generate(prompts, params)])
     assert outs[0] == outs[1]
 
 
-def test_fp32_models_are_left_alone(tiny_qwen3_dir):
+def test_what_is_packed_follows_the_cpu(tiny_qwen3_dir):
+    """float32 on x86 (oneDNN beats MKL there, lesson 14's README), nowhere else; bf16 where
+    oneDNN computes bf16."""
+    assert can_pack(torch.float32) == (cpu.arch() == "x86_64" and torch.backends.mkldnn.is_available())
+    assert can_pack(torch.bfloat16) == bool(torch.backends.mkldnn.is_available()
+                                            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert not can_pack(torch.float16)
     model = load_model(tiny_qwen3_dir, torch.float32)
-    assert pack_linears(model) == 0
-    assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+    assert pack_linears(model) == (7 * model.config.num_layers if can_pack(torch.float32) else 0)
+    if not can_pack(torch.float32):
+        assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
