@@ -24,10 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
-# The suite again as on an AVX2-only x86 CPU (minivllm_support/cpu.py): kernels built for
+# The suite (or BASELINE_TESTS) again as on an AVX2-only x86 CPU (minivllm_support/cpu.py): kernels built for
 # x86-64-v3, bf16 not native (dtype auto = fp32), torch's oneDNN/MKL/ATen capped at AVX2.
 test-baseline: $(STAMP)
-	MINIVLLM_BASELINE=1 $(PY) -m pytest tests $(BASELINE_TESTS)
+	MINIVLLM_BASELINE=1 $(PY) -m pytest $(or $(BASELINE_TESTS),tests)
 
 # Our C++ kernels cross-built for ARM (aarch64) and run under qemu against torch's reference
 # numbers, from an x86 machine. Needs: apt-get install g++-aarch64-linux-gnu qemu-user

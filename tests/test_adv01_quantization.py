@@ -217,7 +217,7 @@ def test_engine_tokens_equal_dequantized_reference(tiny_dir, scheme, head):
         assert want != _reference_tokens(tiny_dir, None, None, 16)
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="no oneDNN bf16 on this CPU: lesson 14 packs nothing")
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="no oneDNN bf16 on this CPU: no bf16 linear is packed")
 def test_quantize_after_packing_equals_quantize_before(tiny_dir):
     """bf16: lesson 14's engine has packed the linears (weights in oneDNN's layout); quantizing
     them then gives the same integers and scales as quantizing the loaded nn.Linear."""
