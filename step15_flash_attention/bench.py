@@ -64,11 +64,15 @@ def core_peaks() -> tuple[float, float]:
 
 def linear_rates(rows: int = 512) -> None:
     """The same gap in torch: a 1024 -> 3072 linear over `rows` tokens, float32 vs bf16."""
-    from step14_batched_forward.packed_linear import PackedLinear
+    from step14_batched_forward.packed_linear import PackedLinear, can_pack
     x, lin = torch.randn(rows, 1024), torch.nn.Linear(1024, 3072, bias=False)
-    packed, xb = PackedLinear(torch.nn.Linear(1024, 3072, bias=False).bfloat16()), x.bfloat16()
-    for name, fn in [("float32 F.linear", lambda: lin(x)), ("bf16 F.linear", lambda: F.linear(xb, lin.weight.bfloat16())),
-                     ("bf16 oneDNN-packed (lesson 14)", lambda: packed(xb))]:
+    xb, wb = x.bfloat16(), lin.weight.bfloat16()
+    cases = [("float32 F.linear", lambda: lin(x)), ("bf16 F.linear", lambda: F.linear(xb, wb))]
+    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bf16")):
+        if can_pack(dtype):          # what lesson 14 packs on this CPU
+            packed = PackedLinear(torch.nn.Linear(1024, 3072, bias=False).to(dtype))
+            cases.append((f"{name} oneDNN-packed (lesson 14)", lambda p=packed, a=x.to(dtype): p(a)))
+    for name, fn in cases:
         fn()
         t0 = time.perf_counter()
         for _ in range(10):
@@ -77,14 +81,14 @@ def linear_rates(rows: int = 512) -> None:
         print(f"  {name:32s} {secs * 1e3:6.2f} ms  {2 * rows * 1024 * 3072 / secs / 1e9:6.1f} GFLOP/s")
 
 
-def kernel_vs_sdpa(length: int, reps: int) -> None:
-    """One layer: 16 query heads, 8 KV heads, head_dim 128, one causal sequence, bf16."""
+def kernel_vs_sdpa(length: int, reps: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """One layer: 16 query heads, 8 KV heads, head_dim 128, one causal sequence, in `dtype`."""
     from step15_flash_attention.flash_cpu import flash_attention_cpu
     Hq, Hkv, D, bs = 16, 8, 128, 16
     g = torch.Generator().manual_seed(0)
     nb = length // bs
-    k_pool, v_pool = (torch.randn(nb, Hkv, bs, D, generator=g).bfloat16() for _ in range(2))
-    q = torch.randn(length, Hq, D, generator=g).bfloat16()
+    k_pool, v_pool = (torch.randn(nb, Hkv, bs, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(length, Hq, D, generator=g).to(dtype)
     tables = torch.randperm(nb, generator=g)[None]                  # scattered blocks, as in a real pool
     cu, lens = torch.tensor([0, length]), torch.tensor([length])
     # torch's SDPA wants contiguous [heads, L, D] K/V with the GQA heads repeated: built outside the timer.
@@ -105,7 +109,7 @@ def kernel_vs_sdpa(length: int, reps: int) -> None:
         print(f"{name:40s} {secs:7.3f} s per layer  {flops / secs / 1e9:6.1f} GFLOP/s")
     (a, oa), (b, ob) = results.values()
     diff = (oa.float() - ob[0].transpose(0, 1).float()).abs().max().item()
-    print(f"ours / SDPA time: {a / b:.2f} (below 1 = ours faster), max |difference| {diff:.4f} (bf16)")
+    print(f"ours / SDPA time: {a / b:.2f} (below 1 = ours faster), max |difference| {diff:.4f} ({dtype})")
 
 
 def one_prefill(engine_name: str, length: int, budget: int) -> dict:
@@ -211,7 +215,9 @@ def main() -> None:
         print(f"a 1024 -> 3072 linear over 512 tokens:")
         linear_rates()
         print()
-        kernel_vs_sdpa(args.kernel_length, args.reps)
+        for dtype in (torch.bfloat16, torch.float32):
+            print(f"\none layer's attention, {dtype}:")
+            kernel_vs_sdpa(args.kernel_length, args.reps, dtype)
     elif args.what == "prefill":
         prefill(args.lengths + ([32768] if args.long else []), args.budget, args.threads, args.skip_lesson14)
     else:

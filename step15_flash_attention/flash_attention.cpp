@@ -77,13 +77,54 @@ struct Scratch {  // one per thread, reused by every item it runs
 };
 
 // ---------------------------------------------------------------------------------------
-// Tile products in float32 FMAs on 16-float vectors (GCC/Clang vector extensions: one
-// AVX-512 register, or two AVX2 ones). bf16 tiles are widened to float32 once, as they are
-// loaded; measured here, 16-lane float32 FMAs do twice the work per cycle of the AVX512-BF16
-// dot-product instruction (see README), so the wider numbers cost nothing.
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));
-inline vec16 load16(const float* p) { return *reinterpret_cast<const vec16*>(p); }
-inline void store16(float* p, vec16 x) { *reinterpret_cast<vec16*>(p) = x; }
+// Tile products in float32 FMAs on 16-float vectors. bf16 tiles are widened to float32 once,
+// as they are loaded; measured here, 16-lane float32 FMAs do twice the work per cycle of the
+// AVX512-BF16 dot-product instruction (see README), so the wider numbers cost nothing.
+//
+// A vec16 is one AVX-512 register, two AVX2 ones or four NEON ones: a small struct of the
+// target's own vector type (GCC/Clang vector extensions). A single 64-byte vector type would
+// do on AVX-512 only: built for AVX2, GCC moved every such vector through the stack in 16-byte
+// pieces, and lesson 15's prompt attention ran 20x slower than its AVX-512 build (baseline
+// mode, 512-token prompt: 190 vs 8.5 ms a layer, one-off; lesson 15's README has the figures
+// of `bench.py kernel`).
+#if defined(__AVX512F__)
+typedef float vnative __attribute__((vector_size(64), aligned(4)));
+#elif defined(__AVX__)
+typedef float vnative __attribute__((vector_size(32), aligned(4)));
+#else
+typedef float vnative __attribute__((vector_size(16), aligned(4)));
+#endif
+constexpr int kPieces = 64 / sizeof(vnative), kLanes = 16 / kPieces;
+struct vec16 {
+  vnative p[kPieces];
+};
+inline vec16 load16(const float* x) {
+  vec16 r;
+  for (int i = 0; i < kPieces; ++i) r.p[i] = *reinterpret_cast<const vnative*>(x + i * kLanes);
+  return r;
+}
+inline void store16(float* x, const vec16& v) {
+  for (int i = 0; i < kPieces; ++i) *reinterpret_cast<vnative*>(x + i * kLanes) = v.p[i];
+}
+inline vec16& operator+=(vec16& a, const vec16& b) {
+  for (int i = 0; i < kPieces; ++i) a.p[i] += b.p[i];
+  return a;
+}
+inline vec16 operator*(float k, const vec16& b) {
+  vec16 r;
+  for (int i = 0; i < kPieces; ++i) r.p[i] = k * b.p[i];
+  return r;
+}
+
+// How many vec16 a micro-tile keeps in registers. AVX-512 has 32 registers of 16 floats:
+// scores hold 6 keys x 4 vectors of rows, P V 4 rows x 4 vectors of columns. AVX2 has 16
+// registers of 8 floats and NEON 32 of 4: there 6 keys x 1 vector and 4 rows x 1 vector fit.
+// Each output element sees the same FMAs in the same order either way.
+#if defined(__AVX512F__)
+constexpr int kRowVectors = 4, kColVectors = 4;
+#else
+constexpr int kRowVectors = 1, kColVectors = 1;
+#endif
 
 template <typename T>
 void widen_rows(const T* const* rows, int64_t n, int64_t D, float* dst) {  // n pool rows -> [n][D] float
@@ -117,8 +158,8 @@ void scores_mv(const float* kf, int64_t n, const float* qt, int64_t M, int64_t D
 }
 
 void scores(const float* kf, int64_t n, const float* qt, int64_t M, int64_t D, float* s) {
-  for (int64_t m0 = 0; m0 < M; m0 += 64) {  // 64 rows (4 vectors) at a time; this key tile stays in L1
-    switch (std::min<int64_t>(4, (M - m0) / 16)) {
+  for (int64_t m0 = 0; m0 < M; m0 += 16 * kRowVectors) {  // 64 rows (AVX-512) at a time; this key tile stays in L1
+    switch (std::min<int64_t>(kRowVectors, (M - m0) / 16)) {
       case 1: scores_mv<1>(kf, n, qt + m0, M, D, s + m0); break;
       case 2: scores_mv<2>(kf, n, qt + m0, M, D, s + m0); break;
       case 3: scores_mv<3>(kf, n, qt + m0, M, D, s + m0); break;
@@ -149,7 +190,7 @@ void pv(const float* p, const float* vf, int64_t n, int64_t M, int64_t D, float*
   // Columns outer, rows inner: one 64-column slice of V (16 KB for 64 keys) stays in L1 while
   // every row uses it. M is a multiple of 16, so rows go 4 at a time (padded rows are harmless).
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64)
+  for (; kColVectors == 4 && d0 + 64 <= D; d0 += 64)
     for (int64_t m0 = 0; m0 < M; m0 += 4) pv_micro<4>(p + m0, vf + d0, n, M, D, acc + m0 * D + d0);
   for (; d0 + 16 <= D; d0 += 16)
     for (int64_t m0 = 0; m0 < M; m0 += 4) pv_micro<1>(p + m0, vf + d0, n, M, D, acc + m0 * D + d0);

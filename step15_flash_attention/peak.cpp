@@ -1,6 +1,6 @@
 // The arithmetic ceiling of one core: how many GFLOP/s float32 FMAs and bf16 dot products
-// (AVX512-BF16 `vdpbf16ps`) reach when nothing else limits them: 16 independent chains of
-// 16-lane operations, no memory traffic. bench.py prints both next to the kernel's rate.
+// (AVX512-BF16 `vdpbf16ps`) reach when nothing else limits them: independent chains of
+// full-width vector operations, no memory traffic. bench.py prints both next to the kernel's rate.
 #include <chrono>
 #include <cstdint>
 
@@ -10,19 +10,29 @@
 #endif
 
 namespace {
-typedef float vec16 __attribute__((vector_size(64)));
-
-#if defined(__aarch64__)
-// The empty asm below says "x may have changed", so the compiler cannot fold the loop away. On
-// x86 one vector register ("v") holds x; a NEON register ("w") holds 4 floats: four of them.
-typedef float vec4 __attribute__((vector_size(16)));
-inline void opaque(vec16& x) {
-  vec4 part[4];
-  __builtin_memcpy(part, &x, sizeof part);
-  __asm__ volatile("" : "+w"(part[0]), "+w"(part[1]), "+w"(part[2]), "+w"(part[3]));
-  __builtin_memcpy(&x, part, sizeof part);
-}
+// The target's own vector of floats, and as many independent FMA chains as leave two of its
+// registers free (for x and y): 16 of 32 AVX-512 registers, 12 of 16 AVX2 ones, 24 of 32 NEON.
+#if defined(__AVX512F__)
+typedef float vnative __attribute__((vector_size(64)));
+constexpr int kChains = 16;
+#elif defined(__AVX__)
+typedef float vnative __attribute__((vector_size(32)));
+constexpr int kChains = 12;
+#else
+typedef float vnative __attribute__((vector_size(16)));
+constexpr int kChains = 24;
 #endif
+constexpr int kLanes = sizeof(vnative) / sizeof(float);
+
+// An empty asm that says "x may have changed", so the compiler cannot fold the loop away; x
+// stays in a vector register ("v" on x86, "w" on ARM).
+inline void opaque(vnative& x) {
+#if defined(__aarch64__)
+  __asm__ volatile("" : "+w"(x));
+#else
+  __asm__ volatile("" : "+v"(x));
+#endif
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -32,21 +42,17 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 extern "C" {
 
 double peak_fp32_fma_gflops(int64_t iters) {
-  vec16 acc[16] = {}, x = {}, y = {};
-  for (int i = 0; i < 16; ++i) x[i] = 1.0001f, y[i] = 1e-7f;
+  vnative acc[kChains] = {}, x = {}, y = {};
+  for (int i = 0; i < kLanes; ++i) x[i] = 1.0001f, y[i] = 1e-7f;
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t it = 0; it < iters; ++it) {
-    for (int j = 0; j < 16; ++j) acc[j] = acc[j] * x + y;  // one FMA each: 16 lanes x 2 FLOPs
-#if defined(__aarch64__)
+    for (int j = 0; j < kChains; ++j) acc[j] = acc[j] * x + y;  // one FMA each: kLanes x 2 FLOPs
     opaque(x);
-#else
-    __asm__ volatile("" : "+v"(x));                         // keep the loop from being folded away
-#endif
   }
   const double secs = seconds_since(t0);
   float sink = 0.f;
-  for (int j = 0; j < 16; ++j) sink += acc[j][0];
-  return sink == 12345.f ? 0.0 : double(iters) * 16 * 16 * 2 / secs / 1e9;
+  for (int j = 0; j < kChains; ++j) sink += acc[j][0];
+  return sink == 12345.f ? 0.0 : double(iters) * kChains * kLanes * 2 / secs / 1e9;
 }
 
 double peak_bf16_dot_gflops(int64_t iters) {
