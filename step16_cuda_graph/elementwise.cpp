@@ -81,45 +81,21 @@ inline void norm_rope_row(const bf16* src, bf16* dst, const bf16* w, const float
   }
 }
 
+// The token's cos/sin rounded to bf16, as apply_rope casts them (D a multiple of 16).
+inline void rounded(const float* src, float* dst, int64_t D) {
+  for (int64_t j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, round_bf16(_mm512_loadu_ps(src + j)));
+}
+
+// One row: silu(gate) rounded to bf16, times up, rounded (I a multiple of 16).
+inline void silu_mul_row(const bf16* g, const bf16* u, bf16* out, int64_t I) {
+  for (int64_t i = 0; i < I; i += 16) {
+    const __m512 x = load16(g + i);
+    const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    store16(out + i, _mm512_mul_ps(round_bf16(silu), load16(u + i)));
+  }
+}
+
 }  // namespace
-
-extern "C" {
-
-// qkv [T, row] (q heads, then k heads, from column 0; v after them is not read);
-// cos, sin [T, D] float32; q_out [T, nh, D], k_out [T, nkv, D]; qw, kw [D] or null.
-void qk_norm_rope_bf16(const bf16* qkv, int64_t T, int64_t row, int64_t nh, int64_t nkv, int64_t D,
-                       const bf16* qw, const bf16* kw, const float* cos, const float* sin, float eps,
-                       bf16* q_out, bf16* k_out) {
-#pragma omp parallel for if (T * (nh + nkv) >= 256)
-  for (int64_t t = 0; t < T; ++t) {
-    alignas(64) float c[256], s[256];        // the token's cos/sin cast to bf16, as apply_rope does
-    for (int64_t j = 0; j < D; j += 16) {
-      _mm512_store_ps(c + j, round_bf16(_mm512_loadu_ps(cos + t * D + j)));
-      _mm512_store_ps(s + j, round_bf16(_mm512_loadu_ps(sin + t * D + j)));
-    }
-    for (int64_t h = 0; h < nh + nkv; ++h) {
-      const bool is_q = h < nh;
-      bf16* dst = is_q ? q_out + (t * nh + h) * D : k_out + (t * nkv + h - nh) * D;
-      norm_rope_row(qkv + t * row + h * D, dst, is_q ? qw : kw, c, s, D, eps);
-    }
-  }
-}
-
-// gate_up [N, 2I] (gate | up) -> out [N, I]: silu(gate) rounded to bf16, times up, rounded.
-void silu_mul_bf16(const bf16* gate_up, int64_t N, int64_t I, bf16* out) {
-#pragma omp parallel for if (N * I >= 65536)
-  for (int64_t n = 0; n < N; ++n) {
-    const bf16* g = gate_up + n * 2 * I;
-    const bf16* u = g + I;
-    for (int64_t i = 0; i < I; i += 16) {
-      const __m512 x = load16(g + i);
-      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-      store16(out + n * I + i, _mm512_mul_ps(round_bf16(silu), load16(u + i)));
-    }
-  }
-}
-
-}  // extern "C"
 #else   // portable: any CPU, vectorised by the compiler
 namespace {
 
@@ -179,17 +155,34 @@ inline void norm_rope_row(const bf16* src, bf16* dst, const bf16* w, const float
   }
 }
 
-}  // namespace
+inline void rounded(const float* src, float* dst, int64_t D) {
+  for (int64_t j = 0; j < D; ++j) dst[j] = round_bf16(src[j]);
+}
 
+inline void silu_mul_row(const bf16* g, const bf16* u, bf16* out, int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float x = widen(g[i]);
+    out[i] = narrow(round_bf16(x / (1.0f + exp_poly(-x))) * widen(u[i]));
+  }
+}
+
+}  // namespace
+#endif
+
+// The two kernels, the same for both builds: rows shared out among torch's OpenMP threads.
 extern "C" {
 
+// qkv [T, row] (q heads, then k heads, from column 0; v after them is not read);
+// cos, sin [T, D] float32; q_out [T, nh, D], k_out [T, nkv, D]; qw, kw [D] or null.
 void qk_norm_rope_bf16(const bf16* qkv, int64_t T, int64_t row, int64_t nh, int64_t nkv, int64_t D,
                        const bf16* qw, const bf16* kw, const float* cos, const float* sin, float eps,
                        bf16* q_out, bf16* k_out) {
 #pragma omp parallel for if (T * (nh + nkv) >= 256)
   for (int64_t t = 0; t < T; ++t) {
     float c[256], s[256];
-    for (int64_t j = 0; j < D; ++j) c[j] = round_bf16(cos[t * D + j]), s[j] = round_bf16(sin[t * D + j]);
+    rounded(cos + t * D, c, D);
+    rounded(sin + t * D, s, D);
     for (int64_t h = 0; h < nh + nkv; ++h) {
       const bool is_q = h < nh;
       bf16* dst = is_q ? q_out + (t * nh + h) * D : k_out + (t * nkv + h - nh) * D;
@@ -198,21 +191,13 @@ void qk_norm_rope_bf16(const bf16* qkv, int64_t T, int64_t row, int64_t nh, int6
   }
 }
 
+// gate_up [N, 2I] (gate | up) -> out [N, I].
 void silu_mul_bf16(const bf16* gate_up, int64_t N, int64_t I, bf16* out) {
 #pragma omp parallel for if (N * I >= 65536)
-  for (int64_t n = 0; n < N; ++n) {
-    const bf16* g = gate_up + n * 2 * I;
-    const bf16* u = g + I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const float x = widen(g[i]);
-      out[n * I + i] = narrow(round_bf16(x / (1.0f + exp_poly(-x))) * widen(u[i]));
-    }
-  }
+  for (int64_t n = 0; n < N; ++n) silu_mul_row(gate_up + n * 2 * I, gate_up + n * 2 * I + I, out + n * I, I);
 }
 
 }  // extern "C"
-#endif
 
 // Both builds have both kernels; kernel_isa() tells which build this is.
 extern "C" int64_t elementwise_available() { return 1; }

@@ -1,12 +1,17 @@
 """Shared fixtures: the tiny random Qwen3 and the embedded SmolLM2, each built/loaded once."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from minivllm_support.tiny import build_tiny_qwen3
 
 torch.set_grad_enabled(False)
+# Triton's interpreter must be chosen before any @triton.jit runs, and a lesson module imported
+# by an earlier test file may define its kernels first (TRITON_INTERPRET=0 still selects a GPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

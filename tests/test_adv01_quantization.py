@@ -29,6 +29,13 @@ from step19_real_model.params import SamplingParams as LLMParams
 SCHEMES = [W8A16, W4A16, QuantScheme(4, 64, symmetric=True), QuantScheme(4, 128, symmetric=False)]
 
 
+@pytest.fixture(scope="module")
+def plain_smol_fp32(smol_dir):
+    """SmolLM2 in fp32 as loaded, for this file alone: the session's `smol_fp32` may have been
+    handed to an engine by an earlier test, and engines pack (and fuse) the linears in place."""
+    return load_model(smol_dir, torch.float32)
+
+
 def _weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -156,7 +163,7 @@ def test_gguf_inventory(q4_1):
 
 @pytest.mark.parametrize("layer, kind", [(0, "attn_q"), (0, "attn_k"), (0, "attn_v"), (0, "attn_output"),
                                          (0, "ffn_gate"), (0, "ffn_up"), (0, "ffn_down"), (29, "attn_k")])
-def test_q4_1_repack_is_bit_exact(q4_1, smol_fp32, layer, kind):
+def test_q4_1_repack_is_bit_exact(q4_1, plain_smol_fp32, layer, kind):
     cfg, blocks, _ = q4_1
     name = f"model.layers.{layer}.{GGUF_TO_HF[kind]}"
     b = blocks[name]
@@ -164,7 +171,7 @@ def test_q4_1_repack_is_bit_exact(q4_1, smol_fp32, layer, kind):
     from_gguf = gguf_dequantized(embedded_gguf(), f"blk.{layer}.{kind}.weight", cfg.num_heads, cfg.num_kv_heads)
     assert torch.equal(b.dequantize(), from_gguf)                       # our unpacking = the gguf package's
     assert torch.equal(kernel, from_gguf)                               # = what the int4 kernel multiplies by
-    assert torch.equal(kernel, smol_fp32.get_submodule(name).weight)    # = the float copy every lesson loads
+    assert torch.equal(kernel, plain_smol_fp32.get_submodule(name).weight)   # = the float copy every lesson loads
 
 
 def test_quality_scores():
@@ -241,14 +248,14 @@ def test_llm_api_runs_unchanged(tiny_dir):
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_engine_on_the_files_q4_1_blocks(smol_fp32, smol_tokenizer):
+def test_engine_on_the_files_q4_1_blocks(plain_smol_fp32, smol_tokenizer):
     """fp32, where the int4 kernel's weights are the float copy's exactly: lesson 16's engine on
     the Q4_1 blocks = lesson 05's loop on the float copy. (torch's int4 kernel has no vectorised
     fp32 path, so the prompt is short.)"""
     import copy
     ids = smol_tokenizer.encode("The capital of France is")
-    want = generate_naive(smol_fp32, ids, 6, ignore_eos=True).token_ids
-    engine = GraphEngine(copy.deepcopy(smol_fp32), PagedSchedulerConfig(
+    want = generate_naive(plain_smol_fp32, ids, 6, ignore_eos=True).token_ids
+    engine = GraphEngine(copy.deepcopy(plain_smol_fp32), PagedSchedulerConfig(
         max_num_seqs=1, max_num_batched_tokens=64, kv_cache_bytes=2**24), use_graph=False)
     report = load_q4_1_(engine.model)
     assert report.swapped == 210 and report.inexact_zeros == 0
