@@ -27,7 +27,6 @@ import torch
 from tqdm.auto import tqdm
 
 from minivllm_support.cpu import auto_dtype
-
 from minivllm_support.models import load_tokenizer, resolve_model
 from step05_naive.generate import check_prompt
 from step09_continuous_batching.sequence import Sequence
