@@ -4,7 +4,7 @@ A learner's CPU is one of a few classes, and the fast path differs for each:
 
     x86-64, AMX + AVX-512 BF16   bf16 matmuls on tiles (oneDNN), bf16 dot products in our kernels
     x86-64, AVX-512 BF16         bf16 dot products (VDPBF16PS) in oneDNN and in our kernels
-    x86-64, AVX-512 / AVX2       no bf16 arithmetic: oneDNN emulates it, ~6x slower than fp32
+    x86-64, AVX-512 / AVX2       no bf16 arithmetic: emulated, several times slower than fp32
     aarch64 (Linux, Apple)       NEON; our kernels compile portable loops the compiler vectorises
 
 `auto_dtype()` is the rule every lesson's `--dtype auto` uses: bf16 where the CPU computes

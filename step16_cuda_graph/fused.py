@@ -91,8 +91,8 @@ def fuse_projections(model: nn.Module, kernels: bool = False) -> int:
     PackedLinear by its fused version; returns how many modules were replaced. A model fused
     already (an engine built on it before) has nothing left to replace.
 
-    kernels: the element-wise chains after the fused projections go to elementwise.cpp (where
-    it builds: AVX-512 BF16) instead of torch's ops."""
+    kernels: the element-wise chains after the fused projections go to elementwise.cpp (bf16
+    models only; its AVX-512 BF16 build or its portable one) instead of torch's ops."""
     bf16 = model.model.embed_tokens.weight.dtype == torch.bfloat16       # the C passes are bf16 only
     kernels = kernels and bf16 and elementwise_fits(model.config.head_dim, model.config.intermediate_size)
     done = 0

@@ -185,8 +185,8 @@ def route_packed_linears(model: torch.nn.Module) -> int:
 @lru_cache(maxsize=None)
 def kernels_library() -> ctypes.CDLL | None:
     """elementwise.cpp built for this CPU (its AVX-512 BF16 build or its portable one: ask
-    `lesson14_kernel.isa(lib)`), or None (no compiler, MINIVLLM_KERNEL=0). Only what the
-    library exports is bound; a missing function leaves the torch path in charge of it."""
+    `lesson14_kernel.isa(lib)`), or None (no compiler, MINIVLLM_KERNEL=0). The element-wise
+    passes are bound only if the library exports them (`has_elementwise`); else torch's ops run."""
     lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "lesson 16's C kernels unavailable, torch's ops run instead",
                                         (LESSON14_DIR,))
     if lib is None:
