@@ -24,7 +24,7 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.packed_linear import can_pack
 from step16_cuda_graph.engine import GraphEngine
-from step19_real_model.params import SamplingParams as LLMParams
+from step20_real_model.params import SamplingParams as LLMParams
 
 SCHEMES = [W8A16, W4A16, QuantScheme(4, 64, symmetric=True), QuantScheme(4, 128, symmetric=False)]
 

@@ -1,4 +1,4 @@
-"""Advanced lesson 02 over HTTP: lesson 20's server with penalties, logit_bias and bad_words
+"""Advanced lesson 02 over HTTP: lesson 21's server with penalties, logit_bias and bad_words
 in the request, checked with the official openai client against the in-process AdvLLM.
 
 One live server (the embedded SmolLM2 in fp32, eager) for the module; references come from
@@ -15,8 +15,8 @@ from openai import BadRequestError, OpenAI
 from advanced.adv02_sampling.engine import AdvLLM
 from advanced.adv02_sampling.params import SamplingParams
 from advanced.adv02_sampling.server import AdvAsyncLLM, ChatCompletionRequest, CompletionRequest
-from step20_http_serve.api import build_app
-from step20_http_serve.server import ServerThread
+from step21_http_serve.api import build_app
+from step21_http_serve.server import ServerThread
 
 MODEL = "smollm2-adv02"
 PROMPT = "The list of colors: red, blue, red, blue,"

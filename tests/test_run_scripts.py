@@ -10,7 +10,7 @@ SCRIPTS = (sorted(ROOT.glob("step[0-9][0-9]_*/run.py")) + sorted(ROOT.glob("adva
            + [ROOT / "step14_batched_forward" / n for n in ("bench.py", "profile_decode.py", "microbench.py")]
            + [ROOT / "step15_flash_attention" / "bench.py"]
            + [ROOT / "step16_cuda_graph" / n for n in ("bench.py", "vllm_bench.py")]
-           + [ROOT / "step17_tensor_parallel" / "bench.py"])
+           + [ROOT / "step18_tensor_parallel" / "bench.py"])
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -1,10 +1,10 @@
-"""Quantized weights under the engine of lessons 16-19, and under lesson 19's `LLM`, unchanged.
+"""Quantized weights under the engine of lessons 16-20, and under lesson 20's `LLM`, unchanged.
 
 The engine never sees a quantization scheme: it calls `model(input_ids, positions, backend)`
 and the model calls its linears. Swapping the linears (after loading, the way vLLM's
 `process_weights_after_loading` repacks them) is all it takes:
 
-    llm = quantized_llm(scheme=W8A16)            # lesson 19's LLM, linears swapped to int8
+    llm = quantized_llm(scheme=W8A16)            # lesson 20's LLM, linears swapped to int8
     llm = q4_1_llm()                             # the embedded SmolLM2 on its own Q4_1 blocks
     llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16))
 
@@ -12,7 +12,7 @@ Two things the swap has to respect:
   - lesson 16's graph runner records the decode step with the linears it found; swapping
     afterwards would leave the recorded step reading the old ones. So the engine must be
     eager (`use_graph=False`; `LLM(enforce_eager=True)`), and quantize_engine_ refuses otherwise.
-  - lesson 17's tensor-parallel workers load their own shards in their own processes; only
+  - lesson 18's tensor-parallel workers load their own shards in their own processes; only
     tensor_parallel_size=1 is quantized here.
 The LM head is not a linear of the model (it is the tied embedding): lesson 16's engine keeps a
 packed copy of it in `engine.lm_head`, and `head=` replaces that copy by a quantized one.
@@ -27,7 +27,7 @@ from advanced.adv01_quantization.gguf_q4_1 import Q41Report, embedded_gguf, load
 from advanced.adv01_quantization.linear import dense_weight, quantize_, quantized_linear
 from advanced.adv01_quantization.quantize import QuantScheme, W8A16, quantize
 from minivllm_support.models import embedded_smollm2
-from step19_real_model.llm import LLM
+from step20_real_model.llm import LLM
 
 
 def _check_engine(engine) -> None:
@@ -62,14 +62,14 @@ def quantize_engine_(engine, scheme: QuantScheme, head: QuantScheme | None = Non
 
 def quantized_llm(model: str | Path | None = None, scheme: QuantScheme = W8A16, head: QuantScheme | None = None,
                   **llm_options) -> LLM:
-    """Lesson 19's LLM (eager) with its linears quantized by round-to-nearest."""
+    """Lesson 20's LLM (eager) with its linears quantized by round-to-nearest."""
     llm = LLM(model, enforce_eager=True, **llm_options)
     quantize_engine_(llm.engine, scheme, head)
     return llm
 
 
 def q4_1_llm(**llm_options) -> tuple[LLM, Q41Report]:
-    """Lesson 19's LLM (eager) on the embedded SmolLM2, its linears on the GGUF file's own Q4_1 blocks."""
+    """Lesson 20's LLM (eager) on the embedded SmolLM2, its linears on the GGUF file's own Q4_1 blocks."""
     llm = LLM(embedded_smollm2(), enforce_eager=True, **llm_options)
     _check_engine(llm.engine)
     return llm, load_q4_1_(llm.engine.model, embedded_gguf())

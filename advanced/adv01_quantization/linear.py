@@ -113,7 +113,7 @@ def dense_weight(module: nn.Module) -> tuple[Tensor, Tensor | None]:
 
 def quantize_(model: nn.Module, scheme: QuantScheme) -> int:
     """Swap every linear of the decoder layers (nn.Linear, or PackedLinear once an engine of
-    lessons 14-19 has packed them) for its quantized version, in place; returns how many.
+    lessons 14-20 has packed them) for its quantized version, in place; returns how many.
 
     The embedding and the tied LM head are left alone (see quantize_engine_ for the head). Every
     weight is checked before any is swapped, so a bad scheme leaves the model as it was.

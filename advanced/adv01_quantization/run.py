@@ -6,7 +6,7 @@
 
 1. what the embedded GGUF file stores, and its Q4_1 blocks served as int4, checked bit for bit;
 2. quality: perplexity, top-1 agreement and KL against the unquantized model, and weight bytes;
-3. lesson 19's LLM on the Q4_1 blocks, beside the float copy;
+3. lesson 20's LLM on the Q4_1 blocks, beside the float copy;
 4. speed on the Qwen3-0.6B shape: bytes per decode step, where each kernel wins as rows grow,
    and one decode step of lesson 16's engine at batch 1 and 64.
 """
@@ -29,8 +29,8 @@ from minivllm_support.timing import format_ratio
 from step04_transformer.config import ModelConfig
 from step04_transformer.loader import load_model
 from step16_cuda_graph.bench import weight_floor
-from step19_real_model.llm import LLM
-from step19_real_model.params import SamplingParams
+from step20_real_model.llm import LLM
+from step20_real_model.params import SamplingParams
 
 MB = 1e6
 QUALITY = {"W8A16 per-channel": (W8A16, None), "W4A16 g32 asym": (QuantScheme(4, 32, False), None),
@@ -116,7 +116,7 @@ def llm_section(folder, dtype: str) -> None:
     llm, report = q4_1_llm(dtype=dtype)
     with llm:
         q41 = llm.chat(q, params, use_tqdm=False)[0].outputs[0]
-    print(f"== 3. lesson 19's LLM, greedy, unchanged: float copy vs the file's Q4_1 blocks ({report.swapped} Int4Linear)")
+    print(f"== 3. lesson 20's LLM, greedy, unchanged: float copy vs the file's Q4_1 blocks ({report.swapped} Int4Linear)")
     print(f"  float copy : {plain.text!r}\n  Q4_1 int4  : {q41.text!r}\n  same tokens: {plain.token_ids == q41.token_ids}\n")
 
 

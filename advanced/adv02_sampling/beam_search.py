@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from step06_sampler.params import _is_int, _is_real
-from step19_real_model.params import MAX_LOGPROBS
-from step19_real_model.params import SamplingParams as LLMSamplingParams
+from step20_real_model.params import MAX_LOGPROBS
+from step20_real_model.params import SamplingParams as LLMSamplingParams
 
 
 @dataclass
@@ -79,7 +79,7 @@ class _Search:
 
 
 def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[list[BeamSequence]]:
-    """The k best sequences of each prompt, best first. `engine`: lesson 19's engine (anything
+    """The k best sequences of each prompt, best first. `engine`: lesson 20's engine (anything
     with LogprobsMixin) or an LLM (its .engine). All prompts' beams share each engine step."""
     engine = getattr(engine, "engine", engine)
     k = params.beam_width
@@ -138,7 +138,7 @@ def _advance(s: _Search, tops: list[dict], k: int, K: int, eos: set[int], params
 
 
 def llm_beam_search(llm, prompts, params: BeamSearchParams) -> list[list[BeamSequence]]:
-    """LLM.beam_search: prompts as lesson 19's generate() takes them; each sequence gets its text."""
+    """LLM.beam_search: prompts as lesson 20's generate() takes them; each sequence gets its text."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -1,7 +1,7 @@
 """The lesson-19 engine and LLM with penalties, logit_bias and bad words.
 
     step(): schedule -> run_model(batch) ---------------> compute_logits(hidden)
-                        | remember which sequences        | lesson 19 keeps the raw logits
+                        | remember which sequences        | lesson 20 keeps the raw logits
                         | get a token this step           |   (logprobs are the model's own)
                         v                                 v
                         self._step_seqs  ----------->  apply_penalties(rows of those sequences)
@@ -24,8 +24,8 @@ from torch import Tensor
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step09_continuous_batching.sequence import Sequence
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step19_real_model.engine import LLMEngine
-from step19_real_model.llm import LLM
+from step20_real_model.engine import LLMEngine
+from step20_real_model.llm import LLM
 
 from .beam_search import BeamSearchParams, BeamSequence, llm_beam_search
 from .penalties import apply_penalties
@@ -33,7 +33,7 @@ from .params import SamplingParams, needs_penalties
 
 
 class PenaltiesMixin:
-    """Put in front of any engine of lessons 09-19: `class E(PenaltiesMixin, Engine)`."""
+    """Put in front of any engine of lessons 09-20: `class E(PenaltiesMixin, Engine)`."""
 
     _step_seqs: list[Sequence] = []
 
@@ -72,7 +72,7 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 
 class AdvEngine(PenaltiesMixin, LLMEngine):
-    """Lesson 19's engine (lesson 17's + logprobs) with penalties. The MRO puts the penalties
+    """Lesson 20's engine (lesson 18's + logprobs) with penalties. The MRO puts the penalties
     after LogprobsMixin's compute_logits: logprobs stay raw, as vLLM's default."""
 
 
@@ -97,19 +97,19 @@ def bad_words_to_ids(tokenizer, words: list[str]) -> list[list[int]]:
 
 
 class AdvLLM(LLM):
-    """lesson 19's LLM whose engine applies this lesson's SamplingParams, plus beam_search()."""
+    """lesson 20's LLM whose engine applies this lesson's SamplingParams, plus beam_search()."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if type(self.engine) is not LLMEngine:
-            raise TypeError(f"expected lesson 19's LLMEngine, got {type(self.engine).__name__}")
-        # The mixin adds methods and no state at construction, so the engine lesson 19 built
-        # becomes an AdvEngine in place (lesson 19's LLM has no hook to choose the engine class;
+            raise TypeError(f"expected lesson 20's LLMEngine, got {type(self.engine).__name__}")
+        # The mixin adds methods and no state at construction, so the engine lesson 20 built
+        # becomes an AdvEngine in place (lesson 20's LLM has no hook to choose the engine class;
         # the alternative is copying its __init__).
         self.engine.__class__ = AdvEngine
 
     def _params(self, sp, count: int) -> list:
-        """Lesson 19's checks, then bad_words -> token ids with this model's tokenizer."""
+        """Lesson 20's checks, then bad_words -> token ids with this model's tokenizer."""
         plist = super()._params(sp, count)
         return [dataclasses.replace(p, bad_words_token_ids=bad_words_to_ids(self.tokenizer, p.bad_words))
                 if isinstance(p, SamplingParams) and p.bad_words and p.bad_words_token_ids is None else p

@@ -1,4 +1,4 @@
-"""Lesson 20's OpenAI-compatible server with this lesson's penalties in its request fields.
+"""Lesson 21's OpenAI-compatible server with this lesson's penalties in its request fields.
 
     request JSON                         SamplingParams (params.py)
     presence_penalty   [-2, 2]     ->    presence_penalty          (OpenAI)
@@ -7,11 +7,11 @@
     repetition_penalty > 0         ->    repetition_penalty        (vLLM's extension)
     bad_words ["..."]              ->    bad_words -> token ids    (vLLM's extension)
 
-Lesson 20 refuses the first three (its engine had no lesson for them); here its request
+Lesson 21 refuses the first three (its engine had no lesson for them); here its request
 classes get a `check_penalties` that lets them through and a `sampling_params` that builds
-this lesson's SamplingParams. The rest of the server is lesson 20's, unchanged:
+this lesson's SamplingParams. The rest of the server is lesson 21's, unchanged:
 
-    python -m advanced.adv02_sampling.server --model PATH --port 8000   (lesson 20's flags)
+    python -m advanced.adv02_sampling.server --model PATH --port 8000   (lesson 21's flags)
 """
 from __future__ import annotations
 
@@ -19,19 +19,19 @@ from typing import Annotated, AsyncIterator
 
 from pydantic import BaseModel, Field, StrictStr
 
-from step19_real_model.params import SamplingParams as LLMSamplingParams
-from step20_http_serve import protocol
-from step20_http_serve.__main__ import main
-from step20_http_serve.api import _engine_error, build_app
-from step20_http_serve.async_llm import AsyncLLM, Delta
-from step20_http_serve.protocol import Float
+from step20_real_model.params import SamplingParams as LLMSamplingParams
+from step21_http_serve import protocol
+from step21_http_serve.__main__ import main
+from step21_http_serve.api import _engine_error, build_app
+from step21_http_serve.async_llm import AsyncLLM, Delta
+from step21_http_serve.protocol import Float
 
 from .engine import AdvLLM, bad_words_to_ids, check_token_ids
 from .params import SamplingParams
 
 
 class PenaltyFields(BaseModel):
-    """The fields, typed as strictly as lesson 20's; put first among the bases so they win."""
+    """The fields, typed as strictly as lesson 21's; put first among the bases so they win."""
     presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[Float, Field(gt=0)] | None = None
@@ -78,7 +78,7 @@ class AdvAsyncLLM(AsyncLLM):
 def build_server(model: str | None = None, *, served_model_name: str | None = None, dtype: str = "auto",
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
                  enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True):
-    """Lesson 20's build_server with AdvLLM and these request classes: (app, AdvAsyncLLM)."""
+    """Lesson 21's build_server with AdvLLM and these request classes: (app, AdvAsyncLLM)."""
     llm = AdvLLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager)
     engine = AdvAsyncLLM(llm, served_model_name, threaded)

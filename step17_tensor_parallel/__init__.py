@@ -1,1 +1,0 @@
-"""Lesson 17: tensor parallelism with real processes (gloo on CPU, NCCL on CUDA)."""

@@ -1,1 +1,0 @@
-"""Lesson 18: the benchmark: the optimisation ladder offline, and online serving metrics."""

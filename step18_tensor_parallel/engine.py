@@ -1,0 +1,260 @@
+"""Lesson 16's engine over `tensor_parallel_size` processes.
+
+    user process = rank 0                              spawned processes = ranks 1 .. tp-1
+    scheduler, block manager, sequences, sampler       (nothing but a model shard and a pool)
+    its model shard and KV pool slice                  their shard and pool slice
+    step():  schedule
+             metadata --------- pipe, one message ---> receive
+             forward  <==== all-reduces (gloo/NCCL) ==> forward
+             logits   <======= gather of logits ======= logits of their vocabulary part
+             sample, update the sequences
+
+Every rank's pool has the same number of blocks, so rank 0's block tables are valid on all of
+them. `kv_cache_bytes` is a budget per rank, as vLLM's gpu_memory_utilization is per GPU: a
+rank holds 1/tp of the KV heads, so the same budget buys tp times the blocks.
+
+Failures: a worker that raises sends its traceback and exits; one that is killed closes its
+connections. Either way rank 0's next collective fails within milliseconds (a worker that hangs:
+within `timeout_s`), rank 0 adds the worker's own words, stops the other ranks and raises
+WorkerFailed. The engine is then closed; make a new one.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minivllm_support.models import check_model_dir
+from step04_transformer.config import ModelConfig
+from step04_transformer.loader import load_model
+from step09_continuous_batching.scheduler import ScheduledBatch, SchedulerConfig
+from step16_cuda_graph.engine import GraphEngine
+from step18_tensor_parallel import parallel
+from step18_tensor_parallel.loader import load_tp_model
+from step18_tensor_parallel.metadata import StepMetadata
+from step18_tensor_parallel.model import check_tp_shapes
+from step18_tensor_parallel.shm_allreduce import ShmAllReduce, create_file, shm_supported
+from step18_tensor_parallel.worker import WorkerSpec, model_bytes, worker_main
+
+
+# All-reduces of up to this many tokens (every decode step, small prefill chunks) go through
+# shared memory; bigger ones through gloo, whose fixed cost is small next to their compute.
+SHM_MAX_TOKENS = 256
+
+
+def _max_batched_tokens(scheduler) -> int:
+    config = getattr(scheduler, "config", scheduler) or SchedulerConfig()
+    return config.max_num_batched_tokens
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker raised, died or stopped answering; the engine is closed."""
+
+
+def sampled_rows(batch: ScheduledBatch) -> list[int]:
+    """Rows of the step whose logits are read: each sequence's last token when it reaches its
+    end this step (the rule of lesson 09's step(), which rank 0 applies on its side)."""
+    rows, off = [], 0
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        off += n
+        if seq.num_computed_tokens + n == seq.num_tokens:
+            rows.append(off - 1)
+    return rows
+
+
+def _shutdown(procs: list, conns: list[Connection], wait_s: float = 5.0) -> None:
+    """Ask every worker to stop, then make sure: terminate, then kill, whatever is still there."""
+    for conn in conns:
+        try:
+            conn.send_bytes(b"")
+        except (OSError, ValueError):
+            pass
+    for p in procs:
+        p.join(wait_s)
+        if p.is_alive():
+            p.terminate()
+            p.join(2)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for conn in conns:
+        conn.close()
+
+
+def _release(procs: list, conns: list[Connection], shm_path: str | None, threads: int,
+             wait_s: float = 5.0) -> None:
+    """Everything an engine holds outside its own objects: processes, the group, a shm file."""
+    _shutdown(procs, conns, wait_s)
+    if shm_path and os.path.exists(shm_path):
+        os.unlink(shm_path)
+    parallel.close_group()
+    torch.set_num_threads(threads)
+
+
+class TPEngine(GraphEngine):
+    def __init__(self, model: str | Path, scheduler=None, *, tensor_parallel_size: int = 1,
+                 dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None,
+                 timeout_s: float = 60.0, all_reduce: str = "auto", **kwargs):
+        """model: a checkpoint folder (each rank loads its own slices of it).
+
+        threads_per_rank: torch threads of each rank (default: the cores shared out evenly;
+        rank 0's setting is restored by close()). timeout_s: how long a collective may wait
+        for a silent rank before it fails. all_reduce: "gloo" (the process group), "shm"
+        (shared memory, x86-64 CPUs) or "auto" (shm where it works, else gloo).
+        """
+        folder = check_model_dir(Path(model))
+        tp = tensor_parallel_size
+        cfg = ModelConfig.from_pretrained(folder)
+        check_tp_shapes(cfg, tp)                                    # before any process starts
+        if all_reduce not in ("auto", "gloo", "shm"):
+            raise ValueError(f"all_reduce must be 'auto', 'gloo' or 'shm', got {all_reduce!r}")
+        if all_reduce == "shm" and not shm_supported():
+            raise ValueError("all_reduce='shm' needs an x86-64 machine with /dev/shm; use 'gloo'")
+        if tp > 1 and dist.is_initialized():
+            raise RuntimeError("this process already runs a TPEngine with tensor_parallel_size > 1 (one "
+                               "process group per process): close() it first")
+        self.tp, self.timeout_s, self.closed = tp, timeout_s, False
+        self.all_reduce = "none" if tp == 1 else "gloo" if all_reduce == "gloo" or not shm_supported() else "shm"
+        self.shm_path: str | None = None
+        self.workers: list = []
+        self.conns: list[Connection] = []
+        self._threads_before = torch.get_num_threads()
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // tp)
+        torch.set_num_threads(threads)
+        if tp == 1:
+            full = load_model(folder, dtype)
+            self.rank_memory = [{"weight_bytes": model_bytes(full)}]
+            super().__init__(full, scheduler, **kwargs)
+            self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
+            return
+        shm_elems = min(_max_batched_tokens(scheduler), SHM_MAX_TOKENS) * cfg.hidden_size
+        if self.all_reduce == "shm":
+            try:
+                self.shm_path = create_file(tp, shm_elems)
+            except OSError as e:
+                warnings.warn(f"no room for the shared-memory all-reduce ({e}); using gloo")
+                self.all_reduce = "gloo"
+        store = parallel.make_store(0, tp, 0, timeout_s)
+        ctx = mp.get_context("spawn")          # fresh interpreters: no forked torch thread pools
+        for rank in range(1, tp):
+            parent, child = ctx.Pipe()
+            spec = WorkerSpec(str(folder), rank, tp, store.port, dtype, threads, timeout_s,
+                              kwargs.get("pack_weights", True), self.shm_path, shm_elems)
+            proc = ctx.Process(target=worker_main, args=(spec, child), name=f"tp-rank-{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self.workers.append(proc)
+            self.conns.append(parent)
+        # Runs at garbage collection or at interpreter exit, unless close() ran first.
+        self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, self.shm_path,
+                                           self._threads_before)
+        try:
+            parallel.init_group(store, 0, tp, timeout_s)
+            if self.shm_path:
+                workers = self.workers         # not self: the communicator must not keep the engine alive
+                parallel.use_shared_memory(ShmAllReduce(self.shm_path, 0, tp, shm_elems, timeout_s,
+                                                        lambda: all(p.is_alive() for p in workers)))
+                parallel.barrier()             # every rank has mapped the file ...
+                self._unlink_shm()             # ... so its name can go now
+            shard = load_tp_model(folder, 0, tp, dtype)
+            self.rank_memory = [{"weight_bytes": model_bytes(shard)}]
+            # Graph capture stays off: the recorded step would need the collectives as custom ops
+            # on every rank (README: what was left out).
+            super().__init__(shard, scheduler, **{**kwargs, "use_graph": False})
+            self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
+            for conn in self.conns:
+                conn.send((self.kv_pool.num_blocks, self.kv_pool.block_size, self.attention.name))
+            self.rank_memory += [self._wait_ready(i) for i in range(tp - 1)]
+        except BaseException as e:
+            raise self._fail(e) from e
+
+    # ---- the step --------------------------------------------------------------------------
+    def run_model(self, batch: ScheduledBatch, input_ids, positions):
+        if not self.workers:
+            return super().run_model(batch, input_ids, positions)
+        attn = self.make_backend(batch)
+        data = StepMetadata.from_backend(input_ids, positions, attn, sampled_rows(batch)).to_bytes()
+        for conn in self.conns:
+            conn.send_bytes(data)
+        return self.model(input_ids, positions, attn)
+
+    def step(self):
+        if self.closed:
+            raise RuntimeError("this TPEngine is closed (after close() or a worker failure): make a new one")
+        if not self.workers:
+            return super().step()
+        try:
+            for i, p in enumerate(self.workers):
+                if not p.is_alive():
+                    raise WorkerFailed(f"tensor-parallel rank {i + 1} is not running")
+            return super().step()
+        except BaseException as e:
+            raise self._fail(e) from e
+
+    # ---- faults and shutdown ----------------------------------------------------------------
+    def _wait_ready(self, i: int) -> dict:
+        conn, proc = self.conns[i], self.workers[i]
+        while True:
+            if conn.poll(0.1):
+                kind, info = conn.recv()
+                if kind == "error":
+                    raise WorkerFailed(f"tensor-parallel worker failed while starting:\n{info}")
+                return info
+            if not proc.is_alive():
+                raise WorkerFailed(f"tensor-parallel rank {i + 1} exited with code {proc.exitcode} while starting")
+
+    def _worker_report(self) -> str:
+        """What the workers say about themselves: their tracebacks, or how they ended."""
+        lines = []
+        for i, (conn, proc) in enumerate(zip(self.conns, self.workers)):
+            try:
+                if conn.poll(0.05):   # a worker that raised wrote this before it exited
+                    kind, info = conn.recv()
+                    if kind == "error":
+                        lines.append(info.rstrip())
+                        continue
+            except (EOFError, OSError):
+                pass
+            proc.join(0.05)
+            if proc.exitcode is None:
+                lines.append(f"rank {i + 1}: still running but not answering (stopped now)")
+            elif proc.exitcode:
+                how = (f"killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}")
+                lines.append(f"rank {i + 1}: process ended ({how})")
+        return "\n".join(lines)
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """Close everything; return the error to raise: the workers' account if they have one."""
+        report = self._worker_report() if self.workers else ""
+        self.close(wait_s=0.1)            # they are mid-step: no point waiting for a clean stop
+        blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
+            or "Traceback" in report
+        if isinstance(error, KeyboardInterrupt) or not blamed:
+            return error                    # rank 0's own error (or Ctrl-C): raise it as it is
+        return WorkerFailed(f"tensor-parallel step failed on rank 0 with: {error}\n"
+                            f"worker report:\n{report or '(none)'}")
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the workers, leave the process group, restore rank 0's thread count. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.workers:
+            self._finalizer.detach()
+        _release(self.workers, self.conns, self.shm_path, self._threads_before, wait_s)
+
+    def _unlink_shm(self) -> None:
+        if self.shm_path and os.path.exists(self.shm_path):
+            os.unlink(self.shm_path)
+
+    def __enter__(self) -> "TPEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

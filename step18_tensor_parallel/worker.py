@@ -1,0 +1,103 @@
+"""A worker rank: its shard of the model, its slice of the KV pool, and a loop that runs
+whatever step rank 0 describes.
+
+    rank 0 --pipe--> worker: pool spec (once), then one StepMetadata per step, b"" to stop
+    worker --pipe--> rank 0: ("ready", facts) once, or ("error", traceback) before it exits
+    all ranks <-gloo/NCCL-> the all-reduces and the logits gather, inside the forward
+
+Why a pipe for the step and not a broadcast: between steps a worker may wait for minutes
+(an idle server). A collective would time out; a pipe read waits for ever, and ends with
+EOFError the moment rank 0's process is gone, so a worker can never outlive its engine.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from step14_batched_forward.packed_linear import pack_linears
+from step15_flash_attention.backends import choose_backend
+from step18_tensor_parallel import parallel
+from step18_tensor_parallel.loader import load_tp_model
+from step18_tensor_parallel.metadata import MetadataAttention, StepMetadata
+from step18_tensor_parallel.shm_allreduce import ShmAllReduce
+
+# Fault injection for the tests and for trying it by hand: "raise@N" makes the last rank raise
+# at its N-th step, "hang@N" makes it stop answering (rank 0 then hits the collective timeout).
+FAULT_ENV = "MINIVLLM_TP_FAULT"
+
+
+@dataclass
+class WorkerSpec:
+    folder: str
+    rank: int
+    world: int
+    port: int
+    dtype: torch.dtype
+    threads: int
+    timeout_s: float
+    pack_weights: bool
+    shm_path: str | None = None      # the shared-memory all-reduce's file, when used
+    shm_elems: int = 0
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _fault(spec: WorkerSpec) -> tuple[str, int] | None:
+    value = os.environ.get(FAULT_ENV, "")
+    if "@" not in value or spec.rank != spec.world - 1:
+        return None
+    kind, step = value.split("@", 1)
+    return kind, int(step)
+
+
+def worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    """Entry point of a spawned worker process."""
+    try:
+        torch.set_num_threads(spec.threads)
+        torch.set_grad_enabled(False)
+        store = parallel.make_store(spec.rank, spec.world, spec.port, spec.timeout_s)
+        parallel.init_group(store, spec.rank, spec.world, spec.timeout_s)
+        if spec.shm_path:
+            parent = os.getppid()
+            parallel.use_shared_memory(ShmAllReduce(spec.shm_path, spec.rank, spec.world, spec.shm_elems,
+                                                    spec.timeout_s, lambda: os.getppid() == parent))
+            parallel.barrier()                          # all mapped: rank 0 may unlink the file
+        model = load_tp_model(spec.folder, spec.rank, spec.world, spec.dtype)
+        weight_bytes = model_bytes(model)
+        if spec.pack_weights:
+            pack_linears(model)
+        num_blocks, block_size, backend_name = conn.recv()
+        backend = choose_backend(backend_name)
+        pool = backend.pool_class(model.config, num_blocks, block_size, spec.dtype)
+        conn.send(("ready", {"weight_bytes": weight_bytes, "kv_bytes": pool.nbytes}))
+        fault, steps = _fault(spec), 0
+        while True:
+            data = conn.recv_bytes()
+            if not data:
+                break                                   # rank 0 is closing the engine
+            steps += 1
+            if fault and steps == fault[1]:
+                if fault[0] == "hang":
+                    time.sleep(3600)
+                raise RuntimeError(f"injected fault ({FAULT_ENV}={fault[0]}@{fault[1]})")
+            meta = StepMetadata.from_bytes(data)
+            hidden = model(meta.input_ids, meta.positions, MetadataAttention(pool, meta, backend))
+            if len(meta.logit_rows):
+                model.compute_logits(hidden[meta.logit_rows])   # sends this rank's logits to rank 0
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass                                             # rank 0 is gone or Ctrl-C: just leave
+    except BaseException:
+        try:
+            conn.send(("error", f"rank {spec.rank}: {traceback.format_exc()}"))
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(1)
+    finally:
+        parallel.close_group()

@@ -1,0 +1,1 @@
+"""Lesson 19: the benchmark: the optimisation ladder offline, and online serving metrics."""

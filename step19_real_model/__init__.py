@@ -1,1 +1,0 @@
-"""Lesson 19: vLLM's offline API (LLM, SamplingParams, RequestOutput) on a real checkpoint."""

@@ -1,1 +1,0 @@
-"""Lesson 20: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over lesson 19's LLM."""

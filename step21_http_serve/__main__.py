@@ -1,0 +1,47 @@
+"""python -m step21_http_serve --model PATH --port 8000: an OpenAI-compatible server.
+
+Flags follow `vllm serve`'s names. Then, for example:
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
+"""
+from __future__ import annotations
+
+import argparse
+
+from step21_http_serve.server import build_server, serve
+
+
+def main(argv: list[str] | None = None, build=build_server) -> None:
+    """`build` makes (app, AsyncLLM) from the flags (and threaded=False: the engine loop runs in
+    this thread, see `serve`); a later lesson passes its own."""
+    p = argparse.ArgumentParser(prog="python -m step21_http_serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: $MINIVLLM_MODEL, a cached "
+                   "Qwen3-0.6B, else the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "bfloat16", "fp32", "float32"])
+    p.add_argument("--max-num-seqs", type=int, default=16, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    p.add_argument("--kv-cache-mib", type=int, default=512, help="size of the KV block pool")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as `model` "
+                   "(default: the checkpoint path)")
+    p.add_argument("--enforce-eager", action="store_true", help="skip compiling the decode step "
+                   "(fast start-up, slower decoding)")
+    p.add_argument("--max-body-mib", type=int, default=16, help="largest request body accepted")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    app, engine = build(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                               kv_cache_bytes=args.kv_cache_mib * 2**20, enforce_eager=args.enforce_eager,
+                               max_body_bytes=args.max_body_mib * 2**20, threaded=False)
+    print(f"serving {engine.model_name!r} (context {engine.max_model_len} tokens) on http://{args.host}:{args.port}",
+          flush=True)
+    try:
+        serve(app, args.host, args.port, args.log_level, front=engine.front)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
