@@ -1,10 +1,11 @@
 """The Qwen3 model (and, through two switches, Qwen2 and Llama).
 
 The model works on a flat list of tokens: input_ids [T] and positions [T]. It never decides
-which token may see which: that is the job of an *attention backend*, a callable
-`backend(layer_idx, q, k, v) -> out` with q [T, Hq, D], k/v [T, Hkv, D], out [T, Hq, D].
-This lesson's backend treats the T tokens as one causal sequence. Later lessons keep this
-exact model and swap the backend: a KV cache (07), padded batches (08), many sequences
+which token may see which: that is the job of the *step attention* it is handed, a
+callable `attn(layer_idx, q, k, v) -> out` with q [T, Hq, D], k/v [T, Hkv, D], out [T, Hq, D].
+(Lesson 15's *attention backend* is something else: which kernel such a callable runs.)
+This lesson's step attention treats the T tokens as one causal sequence. Later lessons keep
+this exact model and swap the step attention: a KV cache (07), padded batches (08), many sequences
 (09-11), a paged KV pool (12-13), one varlen kernel (14-15).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from step04_transformer.config import ModelConfig
 from step04_transformer.layers import RMSNorm, RotaryEmbedding, SwiGLU, rope_qk
 
 
-class AttentionBackend(Protocol):
+class StepAttention(Protocol):
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
@@ -54,13 +55,13 @@ class SelfAttention(nn.Module):
         return (self.q_proj(x).view(T, self.nh, self.hd), self.k_proj(x).view(T, self.nkv, self.hd),
                 self.v_proj(x).view(T, self.nkv, self.hd))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: StepAttention) -> Tensor:
         T = x.shape[0]
         q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope_qk(q, k, cos, sin)
-        out = backend(self.layer_idx, q, k, v)
+        out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(T, self.nh * self.hd))
 
 
@@ -74,8 +75,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: StepAttention) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -99,13 +100,13 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: Tensor, positions: Tensor,
-                backend: AttentionBackend | None = None) -> Tensor:
+                attn: StepAttention | None = None) -> Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        backend = backend or SingleSequenceAttention()
+        attn = attn or SingleSequenceAttention()
         cos, sin = self.rotary(positions)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, backend)
+            x = layer(x, cos, sin, attn)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ def generate_cached(model: CausalLM, prompt_ids: Sequence[int], params: Sampling
     generator = make_generator(params)
     dtype = model.model.embed_tokens.weight.dtype
     cache = KVCache(cfg, len(prompt_ids) + params.max_tokens, dtype)
-    backend = CachedAttention(cache)
+    attn = CachedAttention(cache)
 
     out = CachedOutput(token_ids=[], finish_reason="length")
     new_ids = torch.tensor([int(t) for t in prompt_ids])
@@ -38,8 +38,8 @@ def generate_cached(model: CausalLM, prompt_ids: Sequence[int], params: Sampling
         t0 = time.perf_counter()
         start = cache.length
         positions = torch.arange(start, start + len(new_ids))
-        backend.start = start
-        hidden = model(new_ids, positions, backend)     # only the tokens not yet cached
+        attn.start = start
+        hidden = model(new_ids, positions, attn)     # only the tokens not yet cached
         cache.length = start + len(new_ids)
         token = int(sampler(model.compute_logits(hidden[-1:]), [params], [generator])[0])
         out.step_seconds.append(time.perf_counter() - t0)

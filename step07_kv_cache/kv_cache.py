@@ -1,4 +1,4 @@
-"""A contiguous KV cache for one request, and the attention backend that uses it.
+"""A contiguous KV cache for one request, and the step attention that uses it.
 
 Without a cache, step t recomputes K and V for all t previous tokens although they never
 change (a token's K/V depend only on the tokens before it). With a cache, each step computes
@@ -70,7 +70,7 @@ def cached_attention(cache: KVCache, layer: int, start: int, q: Tensor, k: Tenso
 
 
 class CachedAttention:
-    """Attention backend for one sequence whose first `start` positions are already cached."""
+    """Step attention for one sequence whose first `start` positions are already cached."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache

@@ -5,7 +5,7 @@
     row1  d  e  f  g  h  i  |  x  x  E  .  .  .    <- finished: its slot is wasted
     row2  _  _  _  _  j  k  |  x  x  x  x  x  E
 Left padding puts every prompt's last token in the same column, so one decode step appends one
-column for all rows. The model still sees flat tokens [B*T]; this lesson's attention backend
+column for all rows. The model still sees flat tokens [B*T]; this lesson's step attention
 reshapes them to [B, T], masks the pad keys, and gives each row its own positions.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def generate_static(model: CausalLM, prompts: Sequence[Sequence[int]],
     L = max(len(ids) for ids in prompts)
     pad = torch.tensor([L - len(ids) for ids in prompts])
     cache = PaddedKVCache(cfg, B, L + max(p.max_tokens for p in plist), model.model.embed_tokens.weight.dtype)
-    backend = PaddedBatchAttention(cache, pad)
+    attn = PaddedBatchAttention(cache, pad)
 
     filler = eos_ids[0] if eos_ids else 0
     block = torch.tensor([[filler] * (L - len(ids)) + [int(t) for t in ids] for ids in prompts])
@@ -101,8 +101,8 @@ def generate_static(model: CausalLM, prompts: Sequence[Sequence[int]],
         T = block.shape[1]
         cols = torch.arange(start, start + T)
         positions = (cols[None, :] - pad[:, None]).clamp(min=0)   # each row counts from its own first token
-        backend.start = start
-        hidden = model(block.reshape(-1), positions.reshape(-1), backend).view(B, T, -1)
+        attn.start = start
+        hidden = model(block.reshape(-1), positions.reshape(-1), attn).view(B, T, -1)
         nxt = sampler(model.compute_logits(hidden[:, -1]), plist, gens)
         stats.slots += B * T
         stats.useful += int((cols[None, :] >= pad[:, None]).sum()) if start == 0 else done.count(False)

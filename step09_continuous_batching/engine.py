@@ -111,7 +111,7 @@ class LLMEngine:
 
     def run_model(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor) -> Tensor:
         """The step's forward pass, [T] -> [T, hidden]; lesson 16 runs decode steps another way."""
-        return self.model(input_ids, positions, self.make_backend(batch))
+        return self.model(input_ids, positions, self.make_attention(batch))
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.model.compute_logits(hidden)
@@ -123,5 +123,5 @@ class LLMEngine:
                 seq.kv = KVCache(self.model.config, seq.num_prompt_tokens + seq.params.max_tokens, self.dtype)
             seq.kv.reserve(seq.num_computed_tokens + n)
 
-    def make_backend(self, batch: ScheduledBatch):
+    def make_attention(self, batch: ScheduledBatch):
         return PerSequenceAttention(batch)

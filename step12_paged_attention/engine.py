@@ -23,5 +23,5 @@ class PagedEngine(LLMEngine):
     def prepare_kv(self, batch: ScheduledBatch) -> None:
         pass  # the scheduler already allocated every block this step writes to
 
-    def make_backend(self, batch: ScheduledBatch) -> PagedAttention:
+    def make_attention(self, batch: ScheduledBatch) -> PagedAttention:
         return PagedAttention(self.kv_pool, batch)

@@ -65,9 +65,9 @@ class CountTokens:
     """Mixed into an engine: counts every token a step feeds through the model."""
     tokens_computed = 0
 
-    def make_backend(self, batch):
+    def make_attention(self, batch):
         self.tokens_computed += batch.total_tokens
-        return super().make_backend(batch)
+        return super().make_attention(batch)
 
 
 class CountingPagedEngine(CountTokens, PagedEngine):

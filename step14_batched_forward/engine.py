@@ -1,4 +1,4 @@
-"""Lesson 13's engine with the batched varlen attention backend, and the counters a server needs."""
+"""Lesson 13's engine with the batched varlen step attention, and the counters a server needs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +38,7 @@ class BatchedEngine(PrefixCachingEngine):
         # where oneDNN computes bf16, float32 on x86 (packed_linear.py).
         self.num_packed = pack_linears(self.model) if pack_weights else 0
 
-    def make_backend(self, batch: ScheduledBatch) -> VarlenPagedAttention:
+    def make_attention(self, batch: ScheduledBatch) -> VarlenPagedAttention:
         self.count_prompt_tokens(batch)
         return VarlenPagedAttention(self.kv_pool, batch, self.workspace, self.use_kernel)
 

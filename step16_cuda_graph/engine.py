@@ -102,7 +102,7 @@ class GraphEngine(FlashEngine):
         bucket = self.runner.bucket_for(batch) if self.runner else None
         if bucket is None:
             if self.mixed is not None:
-                return self.mixed.forward(input_ids, positions, self.make_backend(batch))
+                return self.mixed.forward(input_ids, positions, self.make_attention(batch))
             return super().run_model(batch, input_ids, positions)
         return self.runner.run(batch, bucket)
 

@@ -50,9 +50,9 @@ class FusedQKVAttention(SelfAttention):
         self.o_proj, self.q_norm, self.k_norm = attn.o_proj, attn.q_norm, attn.k_norm
         self.kernels = kernels           # q/k norm + RoPE as one C pass (ops.qk_norm_rope)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn) -> Tensor:
         if not self.kernels:
-            return super().forward(x, cos, sin, backend)
+            return super().forward(x, cos, sin, attn)
         T, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
         qkv = self.qkv_proj(x)
         norms = self.q_norm is not None
@@ -60,7 +60,7 @@ class FusedQKVAttention(SelfAttention):
                                                self.k_norm.weight if norms else None, cos, sin, nh, nkv,
                                                self.q_norm.eps if norms else 0.0)
         v = qkv[:, (nh + nkv) * hd:].view(T, nkv, hd)
-        return self.o_proj(backend(self.layer_idx, q, k, v).reshape(T, nh * hd))
+        return self.o_proj(attn(self.layer_idx, q, k, v).reshape(T, nh * hd))
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         T = x.shape[0]

@@ -178,7 +178,7 @@ class TPEngine(GraphEngine):
     def run_model(self, batch: ScheduledBatch, input_ids, positions):
         if not self.workers:
             return super().run_model(batch, input_ids, positions)
-        attn = self.make_backend(batch)
+        attn = self.make_attention(batch)
         data = StepMetadata.from_backend(input_ids, positions, attn, sampled_rows(batch)).to_bytes()
         for conn in self.conns:
             conn.send_bytes(data)

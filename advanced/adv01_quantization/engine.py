@@ -1,6 +1,6 @@
 """Quantized weights under the engine of lessons 16-20, and under lesson 20's `LLM`, unchanged.
 
-The engine never sees a quantization scheme: it calls `model(input_ids, positions, backend)`
+The engine never sees a quantization scheme: it calls `model(input_ids, positions, attn)`
 and the model calls its linears. Swapping the linears (after loading, the way vLLM's
 `process_weights_after_loading` repacks them) is all it takes:
 

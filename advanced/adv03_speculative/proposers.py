@@ -79,19 +79,19 @@ class NgramProposer:
 # ---- a draft made of the target's first layers ----------------------------------------------
 @dataclass
 class DraftSlot:
-    """What an attention backend reads of a sequence (lessons 12-16): where its K/V live and
+    """What a step attention reads of a sequence (lessons 12-16): where its K/V live and
     how many tokens are already there. One per sequence, advanced by one token per draft step."""
     kv: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int
 
 
-def draft_forward(model, num_layers: int, input_ids: Tensor, positions: Tensor, backend) -> Tensor:
+def draft_forward(model, num_layers: int, input_ids: Tensor, positions: Tensor, attn) -> Tensor:
     """Lesson 04's forward cut after `num_layers` layers: [T] -> normed hidden states [T, hidden]."""
     cos, sin = model.rotary(positions)
     x = model.model.embed_tokens(input_ids)
     for layer in model.model.layers[:num_layers]:
-        x = layer(x, cos, sin, backend)
+        x = layer(x, cos, sin, attn)
     return model.model.norm(x)
 
 
@@ -125,7 +125,7 @@ class LayerSkipProposer:
                 slots[i].num_computed_tokens = p
             batch = ScheduledBatch([slots[i] for i in active], [1] * len(active))
             hidden = draft_forward(model, self.num_layers, torch.tensor(ids), torch.tensor(pos),
-                                   engine.make_backend(batch))
+                                   engine.make_attention(batch))
             self.forwards += 1
             logits = engine.compute_logits(hidden)
             picked = logits.argmax(dim=-1)                   # greedy requests: the draft's argmax
