@@ -13,11 +13,17 @@ class PagedEngine(LLMEngine):
     block_manager_class = BlockManager
     pool_class = KVPool
 
-    def make_scheduler(self, config) -> PagedScheduler:
+    def __init__(self, model, config: PagedSchedulerConfig | None = None, *args, **kwargs):
+        config = PagedSchedulerConfig() if config is None else config
         if not isinstance(config, PagedSchedulerConfig):
             raise TypeError("PagedEngine needs a PagedSchedulerConfig (block_size, kv_cache_bytes)")
-        self.kv_pool = self.pool_class.from_memory_budget(self.model.config, config.kv_cache_bytes,
-                                                 config.block_size, self.dtype, self.device)
+        weight = model.model.embed_tokens.weight
+        # The pool first: the block manager hands out its blocks.
+        self.kv_pool = self.pool_class.from_memory_budget(model.config, config.kv_cache_bytes,
+                                                          config.block_size, weight.dtype, weight.device)
+        super().__init__(model, config, *args, **kwargs)
+
+    def make_scheduler(self, config: PagedSchedulerConfig) -> PagedScheduler:
         return self.scheduler_class(config, self.block_manager_class(self.kv_pool.num_blocks, config.block_size))
 
     def prepare_kv(self, batch: ScheduledBatch) -> None:

@@ -8,7 +8,7 @@ from step13_prefix_cache.engine import PrefixCachingEngine
 from step14_batched_forward import kernel
 from step14_batched_forward.attention import VarlenPagedAttention, Workspace
 from step14_batched_forward.kv_pool import HeadMajorKVPool
-from step14_batched_forward.packed_linear import pack_linears
+from step14_batched_forward.packed_linear import PackedLinear, count_modules, pack_linears
 
 
 @dataclass
@@ -25,36 +25,56 @@ class EngineStats:
     generation_tokens: int
 
 
-class BatchedEngine(PrefixCachingEngine):
-    pool_class = HeadMajorKVPool
+class TokenCounters:
+    """Prompt tokens computed (prefix-cache hits excluded) and tokens generated, for stats()."""
 
-    def __init__(self, *args, pack_weights: bool = True, use_kernel: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self):
         self.prompt_tokens = self.generation_tokens = 0
-        self.workspace = Workspace()
-        # Decodes go through the C++ paged kernel when it builds (else the torch gather path).
-        self.use_kernel = use_kernel and kernel.load() is not None
-        # Linears get their weights pre-packed for oneDNN, once (the model changes in place): bf16
-        # where oneDNN computes bf16, float32 on x86 (packed_linear.py).
-        self.num_packed = pack_linears(self.model) if pack_weights else 0
-
-    def make_attention(self, batch: ScheduledBatch) -> VarlenPagedAttention:
-        self.count_prompt_tokens(batch)
-        return VarlenPagedAttention(self.kv_pool, batch, self.workspace, self.use_kernel)
 
     def count_prompt_tokens(self, batch: ScheduledBatch) -> None:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
 
+    def stats(self, scheduler) -> EngineStats:
+        bm = scheduler.block_manager
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), scheduler.num_used_blocks,
+                           bm.num_blocks, bm.query_tokens, bm.hit_tokens, scheduler.num_preemptions,
+                           self.prompt_tokens, self.generation_tokens)
+
+
+class BatchedEngine(PrefixCachingEngine):
+    pool_class = HeadMajorKVPool
+
+    def __init__(self, model, *args, pack_weights: bool = True, use_kernel: bool = True, **kwargs):
+        # Linears get their weights pre-packed for oneDNN, once: bf16 where oneDNN computes bf16,
+        # float32 on x86 (packed_linear.py). The engine keeps the packed copy; the model it was
+        # given is not changed.
+        if pack_weights:
+            model = pack_linears(model)
+        super().__init__(model, *args, **kwargs)
+        self.num_packed = count_modules(self.model, PackedLinear)
+        self.counters = TokenCounters()
+        self.workspace = Workspace()
+        # Decodes go through the C++ paged kernel when it builds (else the torch gather path).
+        self.use_kernel = use_kernel and kernel.load() is not None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.counters.prompt_tokens
+
+    @property
+    def generation_tokens(self) -> int:
+        return self.counters.generation_tokens
+
+    def make_attention(self, batch: ScheduledBatch) -> VarlenPagedAttention:
+        self.counters.count_prompt_tokens(batch)
+        return VarlenPagedAttention(self.kv_pool, batch, self.workspace, self.use_kernel)
+
     def step(self):
         sampled = super().step()
-        self.generation_tokens += len(sampled)
+        self.counters.generation_tokens += len(sampled)
         return sampled
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        bm = s.block_manager
-        return EngineStats(len(s.running), len(s.waiting), s.num_used_blocks, bm.num_blocks,
-                           bm.query_tokens, bm.hit_tokens, s.num_preemptions,
-                           self.prompt_tokens, self.generation_tokens)
+        return self.counters.stats(self.scheduler)

@@ -13,10 +13,17 @@ bf16 needs a CPU whose oneDNN computes bf16 (AVX-512 BF16 or AMX). float32 is pa
 x86 CPU: there `F.linear` goes to MKL, and oneDNN's packed float32 matmul beat it 1.3-2.6x on
 an AMD EPYC (`bench.py linears`, lesson 14's README), where MKL takes a slow path. The sums run
 in another order, so packed float32 results differ from F.linear's in the last bits (~1e-6).
-Where nothing applies (ARM: not measured there), `pack_linears` leaves the model unchanged and
-says how many layers it packed.
+Where nothing applies (ARM: not measured there), `pack_linears` returns the model as it is.
+
+`pack_linears` is a *model transform*: a function the caller applies before handing the model
+to an engine (as gpt-fast's `apply_tp`), which returns a new model and leaves its argument as
+it was (`replace_modules`). Lessons 17 (fused projections), 18 (sharding) and the advanced
+quantization lesson add transforms of the same shape.
 """
 from __future__ import annotations
+
+import copy
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -52,17 +59,34 @@ def can_pack(dtype: torch.dtype) -> bool:
     return bool(ops._is_mkldnn_bf16_supported())
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear inside `model` that can_pack by a PackedLinear, in place; returns how many.
+def replace_modules(model: nn.Module, replace: Callable[[nn.Module], nn.Module | None]) -> nn.Module:
+    """`model` with every submodule for which `replace(m)` returns a module swapped for it.
 
-    In place, like vLLM's `process_weights_after_loading`: the packed copy replaces the
-    original, so the weights are not held twice.
-    """
-    done = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            # oneDNN's blocked layout is for its CPU matmuls; a GPU's linears stay as they are.
-            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and can_pack(child.weight.dtype):
-                setattr(parent, name, PackedLinear(child))
-                done += 1
-    return done
+    `model` itself is not changed: the modules on the way down to a replaced one are shallow
+    copies with their own table of children; everything else (other modules, parameters,
+    buffers) is shared. Keep the result, drop the original, and no weight is held twice."""
+    new = replace(model)
+    if new is not None:
+        return new
+    children = {name: replace_modules(child, replace) for name, child in model.named_children()}
+    if all(children[name] is child for name, child in model.named_children()):
+        return model
+    clone = copy.copy(model)
+    clone._modules = {**model._modules, **children}
+    return clone
+
+
+def count_modules(model: nn.Module, kind: type) -> int:
+    return sum(type(m) is kind for m in model.modules())
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """`model` with every nn.Linear that can_pack replaced by a PackedLinear (a new model:
+    `model` is left as it was). Like vLLM's `process_weights_after_loading`, done once after
+    loading; `count_modules(m, PackedLinear)` says how many were packed."""
+    def pack(m: nn.Module) -> nn.Module | None:
+        # oneDNN's blocked layout is for its CPU matmuls; a GPU's linears stay as they are.
+        if type(m) is nn.Linear and m.weight.device.type == "cpu" and can_pack(m.weight.dtype):
+            return PackedLinear(m)
+        return None
+    return replace_modules(model, pack)

@@ -1,33 +1,131 @@
-"""Lesson 14's engine with one attention backend, chosen once: every layer makes one call.
+"""The engine from this lesson on: lesson 09's step loop, handed its parts as objects.
 
-The scheduler, block manager, prefix cache, packed linears and counters are lesson 14's. What
-changes is the attention backend the model is handed each step (attention.py) and the pool it
-reads: the chosen backend decides the pool's layout and, where its kernel needs it, the block
-size (flash-attn 2: multiples of 256).
+Lessons 09-14 grew the engine one subclass per lesson. From here on a lesson changes a part,
+not the engine: the engine is given them, and `build_engine` shows where each comes from.
+
+    part           what it does                                           taught in
+    model          the transformer; transforms (packing, ...) applied     04 (14: packing)
+                   by whoever builds the engine, never by the engine
+    scheduler      waiting/running queues, chunks, preemption, prefix     09, 10, 11, 13
+      block_manager  inside it: which blocks each sequence holds          12, 13
+    kv_pool        the K/V tensors, in the layout the backend reads       12, 14
+    attention      the attention backend: which kernel runs attention     15 (this lesson)
+    runner         how a step's forward runs: `ModelRunner` runs it       15 (16: recorded steps,
+                   eagerly                                                    17: the CPU fast path)
+    sampler        greedy, temperature, top-k, top-p, min-p                06
+
+One step (lesson 09's `step`, unchanged): scheduler.schedule() -> runner.forward(batch,
+ids, positions, step attention) -> runner.compute_logits -> sampler -> scheduler.after_step.
+The step attention (`FlashPagedAttention`, attention.py) is this step's metadata plus the
+backend's kernel: what every layer calls.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence as Seq
 
+import torch
+from torch import Tensor, nn
+
+from step04_transformer.model import StepAttention
+from step06_sampler.sampler import Sampler
+from step09_continuous_batching.engine import LLMEngine
 from step09_continuous_batching.scheduler import ScheduledBatch
-from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step14_batched_forward.engine import BatchedEngine
+from step12_paged_attention.scheduler import PagedScheduler, PagedSchedulerConfig
+from step13_prefix_cache.block_manager import PrefixCachingBlockManager
+from step13_prefix_cache.engine import PrefixCachingScheduler
+from step14_batched_forward.engine import EngineStats, TokenCounters
+from step14_batched_forward.packed_linear import pack_linears
 from step15_flash_attention.attention import FlashPagedAttention
-from step15_flash_attention.backends import choose_backend
+from step15_flash_attention.backends import AttentionBackend, choose_backend
 
 
-class FlashEngine(BatchedEngine):
-    def __init__(self, model, scheduler=None, *args, attention_backend: str = "auto", **kwargs):
-        self.attention = choose_backend(attention_backend, next(model.parameters()).device)
-        self.pool_class = self.attention.pool_class       # read by make_scheduler below
-        super().__init__(model, scheduler, *args, **kwargs)
+class ModelRunner:
+    """Runs a step's forward: one eager call of the model; logits from its head."""
 
-    def make_scheduler(self, config):
-        multiple = self.attention.block_size_multiple
-        if isinstance(config, PagedSchedulerConfig) and config.block_size % multiple:
-            config = dataclasses.replace(config, block_size=multiple)     # the kernel's constraint wins
-        return super().make_scheduler(config)
+    def __init__(self, model: nn.Module):
+        self.model = model
 
-    def make_backend(self, batch: ScheduledBatch) -> FlashPagedAttention:
-        self.count_prompt_tokens(batch)
+    def forward(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor, attn: StepAttention) -> Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.model.compute_logits(hidden)
+
+
+class Engine(LLMEngine):
+    def __init__(self, model: nn.Module, scheduler: PagedScheduler, kv_pool, attention: AttentionBackend,
+                 runner: ModelRunner | None = None, sampler: Sampler | None = None, eos_ids: Seq[int] | None = None):
+        if not isinstance(scheduler, PagedScheduler):
+            raise TypeError(f"Engine needs a paged scheduler (lessons 12-13), got {type(scheduler).__name__}")
+        super().__init__(model, scheduler, eos_ids, sampler)
+        self.kv_pool, self.attention = kv_pool, attention
+        self.runner = runner or ModelRunner(model)
+        self.counters = TokenCounters()
+
+    def prepare_kv(self, batch: ScheduledBatch) -> None:
+        pass  # the scheduler already allocated every block this step writes to (lesson 12)
+
+    def make_attention(self, batch: ScheduledBatch) -> FlashPagedAttention:
         return FlashPagedAttention(self.kv_pool, batch, self.attention)
+
+    def run_model(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor) -> Tensor:
+        self.counters.count_prompt_tokens(batch)
+        return self.runner.forward(batch, input_ids, positions, self.make_attention(batch))
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.runner.compute_logits(hidden)
+
+    def step(self):
+        sampled = super().step()
+        self.counters.generation_tokens += len(sampled)
+        return sampled
+
+    def stats(self) -> EngineStats:
+        return self.counters.stats(self.scheduler)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.counters.prompt_tokens
+
+    @property
+    def generation_tokens(self) -> int:
+        return self.counters.generation_tokens
+
+
+# ---- the factories: each makes one part ------------------------------------------------------
+def create_kv_pool(model: nn.Module, config: PagedSchedulerConfig, attention: AttentionBackend, extra_blocks: int = 0):
+    """The pool the backend reads (its layout), sized from config.kv_cache_bytes, plus
+    `extra_blocks` the block manager never hands out (lesson 16's scratch block)."""
+    weight = model.model.embed_tokens.weight
+    pool = attention.pool_class.from_memory_budget(model.config, config.kv_cache_bytes, config.block_size,
+                                                   weight.dtype, weight.device)
+    if extra_blocks:
+        pool = attention.pool_class(model.config, pool.num_blocks + extra_blocks, config.block_size,
+                                    weight.dtype, weight.device)
+    return pool
+
+
+def create_scheduler(config: PagedSchedulerConfig, num_blocks: int) -> PrefixCachingScheduler:
+    """Lesson 13's scheduler (chunked prefill, preemption, prefix caching) over `num_blocks` blocks."""
+    return PrefixCachingScheduler(config, PrefixCachingBlockManager(num_blocks, config.block_size))
+
+
+def fit_block_size(config: PagedSchedulerConfig, attention: AttentionBackend) -> PagedSchedulerConfig:
+    """The config with a block size the backend's kernel accepts (flash-attn 2: multiples of 256)."""
+    multiple = attention.block_size_multiple
+    return dataclasses.replace(config, block_size=multiple) if config.block_size % multiple else config
+
+
+def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, attention_backend: str = "auto",
+                 pack_weights: bool = True, sampler: Sampler | None = None) -> Engine:
+    """This lesson's engine: lesson 14's packed linears, the chosen backend, eager steps."""
+    config = config or PagedSchedulerConfig()
+    if not isinstance(config, PagedSchedulerConfig):
+        raise TypeError("the engine needs a PagedSchedulerConfig (block_size, kv_cache_bytes)")
+    if pack_weights:
+        model = pack_linears(model)                       # a packed copy (lesson 14)
+    attention = choose_backend(attention_backend, model.model.embed_tokens.weight.device)
+    config = fit_block_size(config, attention)
+    pool = create_kv_pool(model, config, attention)
+    return Engine(model, create_scheduler(config, pool.num_blocks), pool, attention, ModelRunner(model), sampler)

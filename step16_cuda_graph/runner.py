@@ -1,54 +1,44 @@
-"""The decode runner: one batch-size bucket, static buffers, and a step that is recorded once.
+"""Record the decode step once per batch-size bucket, replay it every step.
 
-A decode step of B sequences is the same program every time: B token ids in, B rows of
-hidden state out, the same kernels in the same order. Only the numbers in a few small tensors
-change. So the runner records that program once per bucket and replays it:
+A decode step of B sequences is the same program every time: B token ids in, B rows of hidden
+state out, the same kernels in the same order. Only the numbers in a few small tensors change.
+So the runner records that program once per bucket and replays it:
 
     batch of 5 decodes --pad--> bucket 8     static buffers (sized for the largest bucket)
                                              input_ids   [t0 t1 t2 t3 t4 0 0 0]
                                              positions   [p0 p1 p2 p3 p4 0 0 0]
-                                             rows        where each token's K/V go; pads -> the
-                                                         scratch block, never a live one
+                                             slot_mapping where each token's K/V go; pads go
+                                                         to the scratch block, never a live one
                                              cu_seqlens  [0 1 2 3 4 5 6 7 8]
                                              seq_lens    [l0 l1 l2 l3 l4 1 1 1]
                                              block_tables[5 tables ...  scratch rows]
                                  replay the bucket-8 program, read rows 0..4 of its output
 
     CUDA   the program is a CUDA graph: every kernel launch of the step, recorded with its
-           addresses. Replaying costs one launch, so the buffers must stay at the same
-           addresses (hence "static"), shapes cannot change (hence buckets), and nothing in it
-           may wait for the CPU (no .item(), no checks: they run before, on the host).
-    CPU    there is no launch cost to save, but there is per-op dispatch in Python and one pass
-           over memory per element-wise op. The program is each layer's body compiled by
-           torch.compile (inductor writes C++ for the fused element-wise chains), with static
-           shapes per bucket; the attention kernel and packed linears stay our own code,
-           called through custom ops (ops.py). All layers share one compiled body, and after
-           the first call the runner calls what inductor built directly, without Dynamo's
-           checks in front of it (`DirectCall`): the CPU's version of a replay.
+           addresses. A replay is one launch, so the buffers must stay where they are ("static"),
+           shapes cannot change (hence buckets), and nothing inside may wait for the CPU (no
+           .item(), no checks: `prepare` runs them on the host, before the replay).
+    CPU    no launch cost to save; what costs is Python running op by op and one pass over
+           memory per element-wise op. The program is the layer body compiled by torch.compile
+           with this bucket's static shapes (inductor fuses the element-wise chains into C++
+           loops); attention, a ctypes kernel the compiler cannot trace, is a custom op.
 
-Prefill steps, mixed steps and batches above the largest bucket run eagerly, as before.
+Steps with prompt tokens, and batches above the largest bucket, run eagerly (ModelRunner).
 """
 from __future__ import annotations
 
-import itertools
 import time
 import types
 import warnings
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step14_batched_forward.kv_pool import HeadMajorKVPool
 from step15_flash_attention.backends import AttentionBackend
-from step15_flash_attention.flash_cpu import check_inputs
-
-# Inductor keeps the C++ it compiled on disk, keyed by the graph: a second start skips the
-# compiler. The folder (TORCHINDUCTOR_CACHE_DIR) is set when minivllm_support is imported
-# (cpu.set_inductor_cache): it must be set before anything asks inductor for it.
+from step15_flash_attention.engine import ModelRunner
+from step15_flash_attention.flash_cpu import check_inputs, flash_attention_cpu
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -57,247 +47,163 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in base if b < max_num_seqs] + [max_num_seqs]
 
 
-# emulate_precision_casts: round bf16 intermediates where eager PyTorch rounds them, so compiled
-# bf16 runs stay close to eager ones (fp32: equal tokens, as the tests check).
-# guard_filter_fn: before each call, Dynamo checks that what the compiled code assumed still
-# holds ("guards"). Most guards are on the layer modules' Python attributes, which no one
-# changes after the engine is built (the weights are inputs, checked as tensors). Dropping
-# those roughly halves the check, ~25 us a call, 28 calls a step. Used by the prompt-step
-# body (mixed.py); the decode buckets skip Dynamo altogether after their first call.
-COMPILE_OPTIONS = {"emulate_precision_casts": True,
-                   "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+@torch.library.custom_op("lesson16::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
+                    cu_seqlens_q: Tensor, seq_lens: Tensor, block_tables: Tensor) -> Tensor:
+    """Write this step's K/V into a head-major pool, then lesson 15's CPU kernel. One opaque node
+    for the compiler; `mutates_args` tells it the pool is written in place."""
+    D = k.shape[-1]
+    k_cache.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
+    v_cache.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
+    return flash_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, check=False)
 
 
-def module_tensors(module: nn.Module) -> dict[str, Tensor]:
-    """Every tensor a module holds (parameters, buffers, plain attributes such as a packed
-    weight), by dotted name."""
-    found = {}
-    for prefix, m in module.named_modules():
-        for key, value in itertools.chain(m._parameters.items(), m._buffers.items(), vars(m).items()):
-            if isinstance(value, Tensor):
-                found[f"{prefix}.{key}"] = value
-    return found
+@paged_attention.register_fake
+def _(q, *args):
+    return torch.empty_like(q)           # what the compiler needs to know: the output's shape
 
 
-class KeepWhatInductorBuilt:
-    """A torch.compile backend: inductor with emulate_precision_casts (as COMPILE_OPTIONS),
-    keeping the last callable it built and the inputs it was built on (for `DirectCall`).
-    Its own object, not a method of the runner: Dynamo keeps every backend it was given in a
-    global table, and a bound method there would keep the runner, and its KV pool, alive."""
-
-    def __init__(self):
-        self.built: tuple[Callable, list[Tensor], int] | None = None
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable:
-        from torch._inductor.compile_fx import compile_fx
-        fn = compile_fx(gm, example_inputs, config_patches={"emulate_precision_casts": True})
-        self.built = (fn, list(example_inputs), len(gm.graph.output_node().args[0]))
-        return fn
-
-
-@dataclass
-class DirectCall:
-    """A bucket's compiled layer body, called without Dynamo: `fn` is what inductor built for
-    layer 0, `inputs[i]` the flat input list for layer i, with None where the step's x, cos and
-    sin go (at `slots`)."""
-    fn: Callable
-    inputs: list[list[Tensor | None]]
-    slots: tuple[int, int, int]
-
-    def __call__(self, i: int, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        args = list(self.inputs[i])
-        args[self.slots[0]], args[self.slots[1]], args[self.slots[2]] = x, cos, sin
-        return self.fn(*args)[0]
-
-
-@dataclass
 class StaticInputs:
-    """The decode step's inputs, sized for the largest bucket; a bucket uses the first rows."""
-    input_ids: Tensor     # [Bmax]
-    positions: Tensor     # [Bmax]
-    slot_mapping: Tensor  # [Bmax] token slots (for token-major pools)
-    rows: Tensor          # [Bmax * Hkv] (token, head) rows of a head-major pool
-    cu_seqlens_q: Tensor  # [Bmax + 1] = 0, 1, 2, ...: one query per sequence
-    seq_lens: Tensor      # [Bmax]
-    block_tables: Tensor  # [Bmax, max_blocks_per_seq]
+    """The decode step's inputs, sized for the largest bucket; bucket b uses the first b rows."""
 
-    @classmethod
-    def allocate(cls, max_batch: int, num_kv_heads: int, max_blocks: int, device) -> "StaticInputs":
+    def __init__(self, max_batch: int, num_kv_heads: int, max_blocks: int, device):
         z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)
-        return cls(z(max_batch), z(max_batch), z(max_batch), z(max_batch * num_kv_heads),
-                   torch.arange(max_batch + 1, device=device), z(max_batch), z(max_batch, max_blocks))
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = (z(max_batch) for _ in range(4))
+        self.rows = z(max_batch * num_kv_heads)        # (token, head) rows of a head-major pool
+        self.cu_seqlens_q = torch.arange(max_batch + 1, device=device)    # one query per sequence
+        self.block_tables = z(max_batch, max_blocks)
 
 
 class StaticAttention:
-    """The attention backend of one layer inside a recorded step: reads only static buffers.
+    """One layer's step attention inside a recorded step: it reads only static buffers."""
 
-    It ignores the layer index it is called with (it holds its own layer's pool tensors), so
-    the compiler sees every layer as the same program and compiles the body once.
-    """
-
-    def __init__(self, k_cache: Tensor, v_cache: Tensor, s: StaticInputs, b: int, hkv: int,
-                 head_major: bool, kernel=None):
-        self.k_cache, self.v_cache, self.kernel, self.head_major = k_cache, v_cache, kernel, head_major
+    def __init__(self, runner: "GraphRunner", layer: int, b: int):
+        s, pool, hkv = runner.static, runner.pool, runner.pool.num_kv_heads
+        self.k_cache, self.v_cache, self.kernel, self.pool = pool.k[layer], pool.v[layer], runner.kernel, pool
+        self.layer, self.compiled = layer, runner.mode == "compile"
         self.slot_mapping, self.rows = s.slot_mapping[:b], s.rows[:b * hkv]
         self.cu, self.lens, self.tables = s.cu_seqlens_q[:b + 1], s.seq_lens[:b], s.block_tables[:b]
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.kernel is None:      # CPU: one custom op, opaque to the compiler (ops.py)
-            return torch.ops.minivllm.paged_attention(q, k, v, self.k_cache, self.v_cache, self.rows,
-                                                      self.cu, self.lens, self.tables)
-        # CUDA: plain kernel launches, recorded into the graph like every other op.
-        if self.head_major:
-            D = k.shape[-1]
-            self.k_cache.view(-1, D).index_copy_(0, self.rows, k.reshape(-1, D))
-            self.v_cache.view(-1, D).index_copy_(0, self.rows, v.reshape(-1, D))
-        else:                        # token-major pool (flash-attn)
-            self.k_cache.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
-            self.v_cache.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
+        if self.compiled:
+            return paged_attention(q, k, v, self.k_cache, self.v_cache, self.rows, self.cu, self.lens, self.tables)
+        if isinstance(self.pool, HeadMajorKVPool):
+            self.pool.write(self.layer, self.slot_mapping, k, v, self.rows)
+        else:
+            self.pool.write(self.layer, self.slot_mapping, k, v)
         return self.kernel(q, self.k_cache, self.v_cache, self.cu, self.lens, self.tables, check=False)
 
 
-def _layer_body(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, attention: StaticAttention) -> Tensor:
-    return layer(x, cos, sin, attention)
+def _layer_body(layer, x: Tensor, cos: Tensor, sin: Tensor, attn: StaticAttention) -> Tensor:
+    return layer(x, cos, sin, attn)
 
 
-class GraphRunner:
-    """Runs decode-only steps of up to max_batch sequences through recorded per-bucket programs."""
+class GraphRunner(ModelRunner):
+    """Lesson 15's runner, with decode-only steps of up to max_batch sequences replayed."""
 
-    def __init__(self, model, pool, backend: AttentionBackend, max_batch: int, scratch_block: int,
-                 direct_calls: bool = True):
-        """direct_calls=False: every call of a compiled body goes through Dynamo (for comparison)."""
-        self.model, self.pool, self.backend = model, pool, backend
+    def __init__(self, model, pool, attention: AttentionBackend, max_batch: int, scratch_block: int):
+        super().__init__(model)
+        self.pool, self.kernel, self.scratch_block = pool, attention.kernel, scratch_block
         self.device = next(model.parameters()).device
-        self.mode = "cuda-graph" if self.device.type == "cuda" else "compile"
         cfg = model.config
+        self.mode = ("cuda-graph" if self.device.type == "cuda" else
+                     "compile" if attention.name == "cpu" and compile_works() else "eager")
         self.buckets = batch_buckets(max_batch)
-        self.scratch_block = scratch_block
-        self.head_major = isinstance(pool, HeadMajorKVPool)
-        max_blocks = -(-cfg.max_position_embeddings // pool.block_size)
-        self.static = StaticInputs.allocate(self.buckets[-1], cfg.num_kv_heads, max_blocks, self.device)
-        kernel = backend.kernel if self.mode == "cuda-graph" else None
-        self.layer_attention = {b: [StaticAttention(pool.k[i], pool.v[i], self.static, b, cfg.num_kv_heads,
-                                                    self.head_major, kernel)
-                                    for i in range(cfg.num_layers)] for b in self.buckets}
+        self.static = StaticInputs(self.buckets[-1], pool.num_kv_heads, -(-cfg.max_position_embeddings // pool.block_size),
+                                   self.device)
+        self.layer_attention = {b: [StaticAttention(self, i, b) for i in range(cfg.num_layers)] for b in self.buckets}
         self.layer_body = _layer_body
-        self.direct: dict[int, DirectCall] = {}     # bucket -> its compiled body, called without Dynamo
-        self.direct_calls = direct_calls
-        self.backend = KeepWhatInductorBuilt()
         if self.mode == "compile":
-            # Dynamo keeps what it compiled on the function's code object; a copy of the code for
-            # this runner alone keeps engines built one after another from piling up their buckets
-            # on one (and from reaching its recompile limit, past which it runs the body eagerly).
+            # All layers share one compiled body (their weights are its inputs), one per bucket.
+            # Dynamo keeps compiled code on the function's code object: a copy of it per runner
+            # keeps engines built one after another from sharing (and filling) one cache.
             body = types.FunctionType(_layer_body.__code__.replace(), _layer_body.__globals__, "layer_body")
-            self.layer_body = torch.compile(body, dynamic=False, fullgraph=True, backend=self.backend,
-                                            recompile_limit=64)    # one compiled body per bucket
+            self.layer_body = torch.compile(body, dynamic=False, fullgraph=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.graph_pool = None
         self.ready: set[int] = set()
-        self.replays: Counter[int] = Counter()   # steps run per bucket
+        self.replays = {b: 0 for b in self.buckets}       # steps run per bucket
 
-    # ---- which steps ------------------------------------------------------------------------
+    def forward(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor, attn) -> Tensor:
+        b = self.bucket_for(batch)
+        if b is None:
+            return super().forward(batch, input_ids, positions, attn)
+        with torch.inference_mode():                 # the mode it was recorded in
+            if b not in self.ready:
+                self.record(b)
+            self.prepare(batch, b)
+            self.replays[b] += 1
+            if self.mode == "cuda-graph":
+                graph, out = self.graphs[b]
+                graph.replay()
+                return out[:len(batch.seqs)]
+            return self.decode(b)[:len(batch.seqs)]
+
     def bucket_for(self, batch: ScheduledBatch) -> int | None:
-        """The bucket of a decode-only step, or None if it runs eagerly."""
+        """The bucket of a decode-only step, or None: it runs eagerly."""
         B = len(batch.seqs)
         if B == 0 or B > self.buckets[-1] or any(n != 1 for n in batch.num_tokens):
             return None
         return next(b for b in self.buckets if b >= B)
 
-    # ---- filling the static buffers ----------------------------------------------------------
     def prepare(self, batch: ScheduledBatch, b: int) -> None:
-        s, bs, B = self.static, self.pool.block_size, len(batch.seqs)
+        """Fill the static buffers for this step (and check them: the recorded step cannot)."""
+        s, bs, pad = self.static, self.pool.block_size, b - len(batch.seqs)
         pos = [seq.num_computed_tokens for seq in batch.seqs]
         if max(pos) >= self.model.config.max_position_embeddings:
             raise ValueError(f"position {max(pos)} exceeds max_position_embeddings")
-        slots = [seq.kv[p // bs] * bs + p % bs for seq, p in zip(batch.seqs, pos)]
-        pad = b - B                                   # pads: token 0 at position 0 of the scratch block
         host = lambda xs: torch.tensor(xs, dtype=torch.long)
         s.input_ids[:b].copy_(host([seq.token_ids[p] for seq, p in zip(batch.seqs, pos)] + [0] * pad))
         s.positions[:b].copy_(host(pos + [0] * pad))
         s.seq_lens[:b].copy_(host([p + 1 for p in pos] + [1] * pad))
-        slot_mapping = host(slots + [self.scratch_block * bs] * pad)
-        s.slot_mapping[:b].copy_(slot_mapping)
-        if self.head_major:
-            s.rows[:b * self.pool.num_kv_heads].copy_(self.pool.head_rows(slot_mapping))
-        # One copy for the whole table (one per row cost ~10 us each); columns past a sequence's
-        # length are never read, so short rows are padded with block 0.
-        tables = [seq.kv[:-(-(p + 1) // bs)] for seq, p in zip(batch.seqs, pos)]
-        width = max(map(len, tables))
-        s.block_tables[:B, :width].copy_(host([t + [0] * (width - len(t)) for t in tables]))
-        s.block_tables[B:b, 0] = self.scratch_block
-        if self.head_major:   # the checks lesson 15's kernel makes, once a step, before any replay
-            cfg = self.model.config
-            q = torch.empty(b, cfg.num_heads, cfg.head_dim, dtype=self.pool.k[0].dtype, device=self.device)
+        slots = [seq.kv[p // bs] * bs + p % bs for seq, p in zip(batch.seqs, pos)]
+        self.set_slots(host(slots + [self.scratch_block * bs] * pad), b)
+        tables = [seq.kv[:p // bs + 1] for seq, p in zip(batch.seqs, pos)]
+        width = max(map(len, tables))            # columns past a sequence's length are never read
+        s.block_tables[:len(tables), :width].copy_(host([t + [0] * (width - len(t)) for t in tables]))
+        s.block_tables[len(tables):b, 0] = self.scratch_block
+        cfg = self.model.config
+        q = torch.empty(b, cfg.num_heads, cfg.head_dim, dtype=self.pool.k[0].dtype, device=self.device)
+        if isinstance(self.pool, HeadMajorKVPool):
             check_inputs(q, self.pool.k[0], self.pool.v[0], s.cu_seqlens_q[:b + 1], s.seq_lens[:b],
                          s.block_tables[:b], {q.dtype})
 
-    # ---- the recorded step -----------------------------------------------------------------
+    def set_slots(self, slot_mapping: Tensor, b: int) -> None:
+        self.static.slot_mapping[:b].copy_(slot_mapping)
+        if isinstance(self.pool, HeadMajorKVPool):
+            self.static.rows[:b * self.pool.num_kv_heads].copy_(self.pool.head_rows(slot_mapping.to(self.device)))
+
     def step_inputs(self, b: int) -> tuple[Tensor, Tensor, Tensor]:
-        """What every layer body gets besides its own weights and pool: x [b, hidden], cos, sin."""
+        """What every layer gets besides its weights and pool: x [b, hidden], cos, sin."""
         m, s = self.model, self.static
-        pos = s.positions[:b]           # in range: checked in prepare (no host sync in here)
+        pos = s.positions[:b]                    # in range: checked in prepare (no host sync in here)
         return m.model.embed_tokens(s.input_ids[:b]), m.rotary.cos[pos][:, None, :], m.rotary.sin[pos][:, None, :]
 
-    def forward(self, b: int) -> Tensor:
+    def decode(self, b: int) -> Tensor:
         """The decode step of bucket b on the static buffers: [b] ids -> [b, hidden]."""
         x, cos, sin = self.step_inputs(b)
-        direct = self.direct.get(b)
-        for i, (layer, attention) in enumerate(zip(self.model.model.layers, self.layer_attention[b])):
-            x = direct(i, x, cos, sin) if direct else self.layer_body(layer, x, cos, sin, attention)
+        for layer, attn in zip(self.model.model.layers, self.layer_attention[b]):
+            x = self.layer_body(layer, x, cos, sin, attn)
         return self.model.model.norm(x)
 
-    def _direct_call(self, b: int, built: tuple[Callable, list[Tensor], int],
-                     step_inputs: tuple[Tensor, Tensor, Tensor]) -> DirectCall | None:
-        """Dynamo turned layer 0's body into a graph whose inputs are tensors: x, cos, sin, the
-        layer's weights, the attention's pool and step buffers. Find each by identity among
-        layer 0's tensors, then take the same ones from every other layer. None (Dynamo keeps
-        the calls) if an input is not found or the body returns more than x."""
-        fn, inputs, num_outputs = built
-        layers, attention = self.model.model.layers, self.layer_attention[b]
-        where = {id(t): ("layer", name) for name, t in module_tensors(layers[0]).items()}
-        where.update({id(t): ("attention", k) for k, t in vars(attention[0]).items() if isinstance(t, Tensor)})
-        where.update({id(t): ("step", k) for k, t in enumerate(step_inputs)})
-        paths = [where.get(id(t)) for t in inputs]
-        slots = tuple(i for k in range(3) for i, p in enumerate(paths) if p == ("step", k))
-        if num_outputs != 1 or None in paths or len(slots) != 3:
-            return None
-        per_layer = []
-        for layer, att in zip(layers, attention):
-            own = {"layer": module_tensors(layer), "attention": vars(att)}
-            per_layer.append([None if where == "step" else own[where][key] for where, key in paths])
-        return DirectCall(fn, per_layer, slots)
+    def pad_step(self, b: int) -> None:
+        """Static buffers of a harmless step: every row a pad, writing into the scratch block."""
+        self.static.seq_lens[:b] = 1
+        self.static.block_tables[:b, 0] = self.scratch_block
+        self.set_slots(torch.full((b,), self.scratch_block * self.pool.block_size), b)
 
     @torch.inference_mode()
     def record(self, b: int) -> None:
-        """Compile (CPU) or capture (CUDA) bucket b, on a step of pads only."""
-        s = self.static
-        s.seq_lens[:b] = 1                        # a harmless step: every row a pad
-        s.block_tables[:b, 0] = self.scratch_block
-        s.slot_mapping[:b] = self.scratch_block * self.pool.block_size
-        if self.head_major:
-            s.rows[:b * self.pool.num_kv_heads].copy_(self.pool.head_rows(s.slot_mapping[:b]))
+        """Compile (CPU) or capture (CUDA) bucket b, on a step whose rows are all pads."""
+        self.pad_step(b)
+        self.decode(b)                           # compiles (CPU); lazy inits, autotuning (CUDA)
         if self.mode == "cuda-graph":
-            self.forward(b)                       # warm-up: lazy inits and autotuning happen outside
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):   # one memory pool for all buckets
-                out = self.forward(b)
+            with torch.cuda.graph(graph, pool=self.graph_pool):    # one memory pool for all buckets
+                out = self.decode(b)
             self.graph_pool = graph.pool()
             self.graphs[b] = (graph, out)
-        else:
-            # The first call compiles, through Dynamo (which also checks, before every later call,
-            # that nothing it assumed changed: ~100 us a layer with the wrappers around it). A
-            # bucket's shapes never change, so the runner calls what inductor built directly,
-            # as a CUDA graph is replayed without looking at the code that made it.
-            x, cos, sin = self.step_inputs(b)
-            self.backend.built = None
-            self.layer_body(self.model.model.layers[0], x, cos, sin, self.layer_attention[b][0])
-            built, self.backend.built = self.backend.built, None   # the backend outlives the runner
-            if built is not None and self.direct_calls:
-                direct = self._direct_call(b, built, (x, cos, sin))
-                if direct is not None:
-                    self.direct[b] = direct
-            self.forward(b)
         self.ready.add(b)
 
     def record_all(self) -> float:
@@ -308,23 +214,9 @@ class GraphRunner:
                 self.record(b)
         return time.perf_counter() - t0
 
-    def run(self, batch: ScheduledBatch, b: int) -> Tensor:
-        """Hidden states [B, hidden] of a decode-only batch that fits bucket b."""
-        with torch.inference_mode():              # the mode it was recorded in (a guard of the compiled code)
-            if b not in self.ready:
-                self.record(b)
-            self.prepare(batch, b)
-            self.replays[b] += 1
-            B = len(batch.seqs)
-            if self.mode == "cuda-graph":
-                graph, out = self.graphs[b]
-                graph.replay()
-                return out[:B]
-            return self.forward(b)[:B]
-
 
 def compile_works() -> bool:
-    """Whether torch.compile can build C++ here (a compiler on PATH); else the runner is not used."""
+    """Whether torch.compile can build C++ here (a compiler on PATH); else CPU steps run eagerly."""
     try:
         fn = torch.compile(lambda x: torch.nn.functional.silu(x) * 2, dynamic=False)
         return bool(torch.allclose(fn(torch.ones(4)), torch.nn.functional.silu(torch.ones(4)) * 2))

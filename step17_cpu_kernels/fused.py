@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from step04_transformer.layers import SwiGLU
 from step04_transformer.model import SelfAttention
-from step14_batched_forward.packed_linear import PackedLinear
-from step16_cuda_graph.ops import elementwise_fits
+from step14_batched_forward.packed_linear import PackedLinear, count_modules, replace_modules
+from step17_cpu_kernels.ops import elementwise_fits
 
 
 def stacked(parts: list[PackedLinear]) -> PackedLinear:
@@ -86,22 +86,24 @@ class FusedSwiGLU(SwiGLU):
         return self.gate_up_proj(x).chunk(2, dim=-1)
 
 
-def fuse_projections(model: nn.Module, kernels: bool = False) -> int:
-    """Replace, in place, every attention and MLP whose projections are all lesson 14's
-    PackedLinear by its fused version; returns how many modules were replaced. A model fused
-    already (an engine built on it before) has nothing left to replace.
+def fuse_projections(model: nn.Module, kernels: bool = False) -> nn.Module:
+    """`model` with every attention and MLP whose projections are all lesson 14's PackedLinear
+    replaced by its fused version (a new model: `model` is not changed). A model fused already
+    has nothing left to replace; `count_modules` says how many were.
 
     kernels: the element-wise chains after the fused projections go to elementwise.cpp (bf16
     models only; its AVX-512 BF16 build or its portable one) instead of torch's ops."""
     bf16 = model.model.embed_tokens.weight.dtype == torch.bfloat16       # the C passes are bf16 only
     kernels = kernels and bf16 and elementwise_fits(model.config.head_dim, model.config.intermediate_size)
-    done = 0
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if type(attn) is SelfAttention and all(type(m) is PackedLinear for m in (attn.q_proj, attn.k_proj, attn.v_proj)):
-            layer.self_attn = FusedQKVAttention(attn, kernels)
-            done += 1
-        if type(mlp) is SwiGLU and all(type(m) is PackedLinear for m in (mlp.gate_proj, mlp.up_proj)):
-            layer.mlp = FusedSwiGLU(mlp, kernels)
-            done += 1
-    return done
+
+    def fuse(m: nn.Module) -> nn.Module | None:
+        if type(m) is SelfAttention and all(type(p) is PackedLinear for p in (m.q_proj, m.k_proj, m.v_proj)):
+            return FusedQKVAttention(m, kernels)
+        if type(m) is SwiGLU and all(type(p) is PackedLinear for p in (m.gate_proj, m.up_proj)):
+            return FusedSwiGLU(m, kernels)
+        return None
+    return replace_modules(model, fuse)
+
+
+def count_fused(model: nn.Module) -> int:
+    return count_modules(model, FusedQKVAttention) + count_modules(model, FusedSwiGLU)

@@ -35,7 +35,17 @@ from torch import Tensor, nn
 
 from step15_flash_attention.attention import FlashPagedAttention
 from step15_flash_attention.flash_cpu import check_inputs
-from step16_cuda_graph.runner import COMPILE_OPTIONS
+
+
+# emulate_precision_casts: round bf16 intermediates where eager PyTorch rounds them, so compiled
+# bf16 runs stay close to eager ones (fp32: equal tokens, as the tests check).
+# guard_filter_fn: before each call, Dynamo checks that what the compiled code assumed still
+# holds ("guards"). Most guards are on the layer modules' Python attributes, which no one
+# changes after the engine is built (the weights are inputs, checked as tensors). Dropping
+# those roughly halves the check, ~25 us a call, 28 calls a step. Used by the prompt-step
+# body (mixed.py); the decode buckets skip Dynamo altogether after their first call.
+COMPILE_OPTIONS = {"emulate_precision_casts": True,
+                   "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
 class StepAttention:

