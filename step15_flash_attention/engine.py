@@ -106,9 +106,11 @@ def create_kv_pool(model: nn.Module, config: PagedSchedulerConfig, attention: At
     return pool
 
 
-def create_scheduler(config: PagedSchedulerConfig, num_blocks: int) -> PrefixCachingScheduler:
-    """Lesson 13's scheduler (chunked prefill, preemption, prefix caching) over `num_blocks` blocks."""
-    return PrefixCachingScheduler(config, PrefixCachingBlockManager(num_blocks, config.block_size))
+def create_scheduler(config: PagedSchedulerConfig, num_blocks: int, scheduler_class: type = PrefixCachingScheduler,
+                     block_manager_class: type = PrefixCachingBlockManager) -> PagedScheduler:
+    """Lesson 13's scheduler (chunked prefill, preemption, prefix caching) over `num_blocks`
+    blocks; an advanced lesson may pass its own scheduler or block manager class."""
+    return scheduler_class(config, block_manager_class(num_blocks, config.block_size))
 
 
 def fit_block_size(config: PagedSchedulerConfig, attention: AttentionBackend) -> PagedSchedulerConfig:
@@ -118,8 +120,11 @@ def fit_block_size(config: PagedSchedulerConfig, attention: AttentionBackend) ->
 
 
 def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, attention_backend: str = "auto",
-                 pack_weights: bool = True, sampler: Sampler | None = None) -> Engine:
-    """This lesson's engine: lesson 14's packed linears, the chosen backend, eager steps."""
+                 pack_weights: bool = True, sampler: Sampler | None = None, engine_class: type[Engine] = Engine,
+                 **parts) -> Engine:
+    """This lesson's engine: lesson 14's packed linears, the chosen backend, eager steps.
+    parts: scheduler_class / block_manager_class for create_scheduler, and any keyword an
+    engine_class (an advanced lesson's Engine subclass) takes."""
     config = config or PagedSchedulerConfig()
     if not isinstance(config, PagedSchedulerConfig):
         raise TypeError("the engine needs a PagedSchedulerConfig (block_size, kv_cache_bytes)")
@@ -128,4 +133,11 @@ def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, a
     attention = choose_backend(attention_backend, model.model.embed_tokens.weight.device)
     config = fit_block_size(config, attention)
     pool = create_kv_pool(model, config, attention)
-    return Engine(model, create_scheduler(config, pool.num_blocks), pool, attention, ModelRunner(model), sampler)
+    scheduler = create_scheduler(config, pool.num_blocks, *scheduler_parts(parts))
+    return engine_class(model, scheduler, pool, attention, ModelRunner(model), sampler, **parts)
+
+
+def scheduler_parts(parts: dict) -> tuple[type, type]:
+    """Take scheduler_class and block_manager_class out of `parts` (lesson 13's by default)."""
+    return (parts.pop("scheduler_class", PrefixCachingScheduler),
+            parts.pop("block_manager_class", PrefixCachingBlockManager))

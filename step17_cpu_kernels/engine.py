@@ -19,7 +19,7 @@ from step06_sampler.sampler import Sampler
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.packed_linear import pack_linears
 from step15_flash_attention.backends import choose_backend
-from step15_flash_attention.engine import Engine, create_kv_pool, create_scheduler, fit_block_size
+from step15_flash_attention.engine import Engine, create_kv_pool, create_scheduler, fit_block_size, scheduler_parts
 from step16_cuda_graph import engine as lesson16
 from step16_cuda_graph.runner import compile_works
 from step17_cpu_kernels.fused import fuse_projections
@@ -39,9 +39,11 @@ def cpu_fast_path(model: nn.Module) -> nn.Module:
 
 def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, attention_backend: str = "auto",
                  use_graph: bool = True, record_now: bool = True, max_bucket: int | None = None,
-                 compile_mixed: bool = True, direct_calls: bool = True, sampler: Sampler | None = None) -> Engine:
+                 compile_mixed: bool = True, direct_calls: bool = True, sampler: Sampler | None = None,
+                 engine_class: type[Engine] = Engine, **parts) -> Engine:
     """direct_calls=False: every compiled call goes through Dynamo; compile_mixed=False: prompt
-    steps run eagerly; use_graph=False: lesson 15's engine with this lesson's model and sampler."""
+    steps run eagerly; use_graph=False: lesson 15's engine with this lesson's model and sampler.
+    engine_class, parts: as lesson 15's build_engine."""
     config = config or PagedSchedulerConfig()
     device = model.model.embed_tokens.weight.device
     attention = choose_backend(attention_backend, device)
@@ -49,14 +51,15 @@ def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, a
     if device.type != "cpu" or attention.name != "cpu" or not (use_graph and compile_works()):
         if not use_graph:
             return lesson16.build_engine(cpu_fast_path(model), config, attention_backend, use_graph=False,
-                                         pack_weights=False, sampler=sampler)
-        return lesson16.build_engine(model, config, attention_backend, True, record_now, max_bucket, sampler=sampler)
+                                         pack_weights=False, sampler=sampler, engine_class=engine_class, **parts)
+        return lesson16.build_engine(model, config, attention_backend, True, record_now, max_bucket, sampler=sampler,
+                                     engine_class=engine_class, **parts)
     model = cpu_fast_path(model)
     config = fit_block_size(config, attention)
     pool = create_kv_pool(model, config, attention, extra_blocks=1)
-    scheduler = create_scheduler(config, pool.num_blocks - 1)
+    scheduler = create_scheduler(config, pool.num_blocks - 1, *scheduler_parts(parts))
     runner = CpuGraphRunner(model, pool, attention, max_bucket or config.max_num_seqs, pool.num_blocks - 1,
                             direct_calls, compile_mixed)
     if record_now:
         runner.record_seconds = runner.warm_up()
-    return Engine(model, scheduler, pool, attention, runner, sampler)
+    return engine_class(model, scheduler, pool, attention, runner, sampler, **parts)

@@ -1,4 +1,4 @@
-"""Lesson 16's engine over `tensor_parallel_size` processes.
+"""Lesson 17's engine over `tensor_parallel_size` processes.
 
     user process = rank 0                              spawned processes = ranks 1 .. tp-1
     scheduler, block manager, sequences, sampler       (nothing but a model shard and a pool)
@@ -34,7 +34,11 @@ from minivllm_support.models import check_model_dir
 from step04_transformer.config import ModelConfig
 from step04_transformer.loader import load_model
 from step09_continuous_batching.scheduler import ScheduledBatch, SchedulerConfig
-from step16_cuda_graph.engine import GraphEngine
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step14_batched_forward.packed_linear import pack_linears
+from step15_flash_attention.backends import choose_backend
+from step15_flash_attention.engine import Engine, ModelRunner, create_kv_pool, create_scheduler, fit_block_size
+from step17_cpu_kernels import engine as lesson17
 from step18_tensor_parallel import parallel
 from step18_tensor_parallel.loader import load_tp_model
 from step18_tensor_parallel.metadata import StepMetadata
@@ -97,11 +101,28 @@ def _release(procs: list, conns: list[Connection], shm_path: str | None, threads
     torch.set_num_threads(threads)
 
 
-class TPEngine(GraphEngine):
-    def __init__(self, model: str | Path, scheduler=None, *, tensor_parallel_size: int = 1,
+class TPRunner(ModelRunner):
+    """Rank 0's runner: tells the other ranks what this step is, then runs its own shard (their
+    all-reduces meet inside the forward, in the parallel layers)."""
+
+    def __init__(self, model, conns: list[Connection]):
+        super().__init__(model)
+        self.conns = conns
+
+    def forward(self, batch: ScheduledBatch, input_ids, positions, attn):
+        data = StepMetadata.from_attention(input_ids, positions, attn, sampled_rows(batch)).to_bytes()
+        for conn in self.conns:
+            conn.send_bytes(data)
+        return self.model(input_ids, positions, attn)
+
+
+class TPEngine(Engine):
+    def __init__(self, model: str | Path, scheduler: PagedSchedulerConfig | None = None, *, tensor_parallel_size: int = 1,
                  dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None,
-                 timeout_s: float = 60.0, all_reduce: str = "auto", **kwargs):
-        """model: a checkpoint folder (each rank loads its own slices of it).
+                 timeout_s: float = 60.0, all_reduce: str = "auto", pack_weights: bool = True, **kwargs):
+        """model: a checkpoint folder (each rank loads its own slices of it). scheduler: the
+        engine's PagedSchedulerConfig. kwargs: lesson 17's build_engine options (tp == 1 only:
+        use_graph, max_bucket, ...).
 
         threads_per_rank: torch threads of each rank (default: the cores shared out evenly;
         rank 0's setting is restored by close()). timeout_s: how long a collective may wait
@@ -130,7 +151,8 @@ class TPEngine(GraphEngine):
         if tp == 1:
             full = load_model(folder, dtype)
             self.rank_memory = [{"weight_bytes": model_bytes(full)}]
-            super().__init__(full, scheduler, **kwargs)
+            one = lesson17.build_engine(full, scheduler, **kwargs)        # adopt its parts
+            super().__init__(one.model, one.scheduler, one.kv_pool, one.attention, one.runner, one.sampler)
             self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
             return
         shm_elems = min(_max_batched_tokens(scheduler), SHM_MAX_TOKENS) * cfg.hidden_size
@@ -145,7 +167,7 @@ class TPEngine(GraphEngine):
         for rank in range(1, tp):
             parent, child = ctx.Pipe()
             spec = WorkerSpec(str(folder), rank, tp, store.port, dtype, threads, timeout_s,
-                              kwargs.get("pack_weights", True), self.shm_path, shm_elems)
+                              pack_weights, self.shm_path, shm_elems)
             proc = ctx.Process(target=worker_main, args=(spec, child), name=f"tp-rank-{rank}", daemon=True)
             proc.start()
             child.close()
@@ -164,9 +186,15 @@ class TPEngine(GraphEngine):
                 self._unlink_shm()             # ... so its name can go now
             shard = load_tp_model(folder, 0, tp, dtype)
             self.rank_memory = [{"weight_bytes": model_bytes(shard)}]
+            if pack_weights:
+                shard = pack_linears(shard)        # the parallel layers hold plain nn.Linears inside
             # Graph capture stays off: the recorded step would need the collectives as custom ops
-            # on every rank (README: what was left out).
-            super().__init__(shard, scheduler, **{**kwargs, "use_graph": False})
+            # on every rank (README: what was left out). So: lesson 15's parts, a TPRunner.
+            attention = choose_backend(kwargs.get("attention_backend", "auto"), "cpu")
+            config = fit_block_size(scheduler or PagedSchedulerConfig(), attention)
+            pool = create_kv_pool(shard, config, attention)
+            super().__init__(shard, create_scheduler(config, pool.num_blocks), pool, attention,
+                             TPRunner(shard, self.conns), lesson17.KernelSampler())
             self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
             for conn in self.conns:
                 conn.send((self.kv_pool.num_blocks, self.kv_pool.block_size, self.attention.name))
@@ -175,15 +203,6 @@ class TPEngine(GraphEngine):
             raise self._fail(e) from e
 
     # ---- the step --------------------------------------------------------------------------
-    def run_model(self, batch: ScheduledBatch, input_ids, positions):
-        if not self.workers:
-            return super().run_model(batch, input_ids, positions)
-        attn = self.make_attention(batch)
-        data = StepMetadata.from_backend(input_ids, positions, attn, sampled_rows(batch)).to_bytes()
-        for conn in self.conns:
-            conn.send_bytes(data)
-        return self.model(input_ids, positions, attn)
-
     def step(self):
         if self.closed:
             raise RuntimeError("this TPEngine is closed (after close() or a worker failure): make a new one")

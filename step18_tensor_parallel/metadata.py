@@ -1,4 +1,4 @@
-"""What rank 0 sends the other ranks each step, and the attention backend they rebuild from it.
+"""What rank 0 sends the other ranks each step, and the step attention they rebuild from it.
 
 Only rank 0 has the scheduler, the sequences and their block tables. The workers hold weights
 and a KV pool and nothing else, so each step they are told exactly what lesson 15's attention
@@ -37,7 +37,7 @@ class StepMetadata:
     logit_rows: Tensor
 
     @classmethod
-    def from_backend(cls, input_ids: Tensor, positions: Tensor, attn: FlashPagedAttention,
+    def from_attention(cls, input_ids: Tensor, positions: Tensor, attn: FlashPagedAttention,
                      logit_rows: list[int]) -> "StepMetadata":
         return cls(input_ids, positions, attn.cu_seqlens_q, attn.seq_lens, attn.block_tables,
                    attn.slot_mapping, torch.tensor(logit_rows, dtype=torch.long))
@@ -60,7 +60,7 @@ class StepMetadata:
 
 
 class MetadataAttention(FlashPagedAttention):
-    """Lesson 15's backend, built from received metadata instead of from the sequences."""
+    """Lesson 15's step attention, built from received metadata instead of from the sequences."""
 
     def __init__(self, pool, meta: StepMetadata, backend: AttentionBackend):
         self.pool, self.kernel = pool, backend.kernel

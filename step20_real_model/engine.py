@@ -67,16 +67,16 @@ def record_logprobs(logits: Tensor, seqs: list[Sequence]) -> None:
         seq.logprobs.append(entry)
 
 
-class LLMEngine(LogprobsMixin, TPEngine):
+class LogprobsEngine(LogprobsMixin, TPEngine):
     """Lesson 18's engine with logprobs: TPEngine(folder, config, tensor_parallel_size=...)."""
 
 
 def build_engine(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = False) -> LLMEngine:
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False) -> LogprobsEngine:
     """enforce_eager: no graph capture (vLLM's flag of the same name): quicker to start,
     slower decode steps; the tests use it."""
     config = PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   kv_cache_bytes=kv_cache_bytes)
-    return LLMEngine(model_dir, config, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+    return LogprobsEngine(model_dir, config, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                      use_graph=not enforce_eager)

@@ -32,7 +32,7 @@ from step05_naive.generate import check_prompt
 from step09_continuous_batching.sequence import Sequence
 from step19_benchmark.frontend import abort
 from step20_real_model.detokenizer import IncrementalDetokenizer
-from step20_real_model.engine import LLMEngine, build_engine
+from step20_real_model.engine import LogprobsEngine, build_engine
 from step20_real_model.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from step20_real_model.params import SamplingParams
 
@@ -61,7 +61,7 @@ class LLM:
         self.model_dir = resolve_model(model)
         self.tokenizer = load_tokenizer(self.model_dir)
         torch.set_grad_enabled(False)
-        self.engine: LLMEngine = build_engine(
+        self.engine: LogprobsEngine = build_engine(
             self.model_dir, self.dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager)
         cfg, bm = self.engine.model.config, self.engine.scheduler.block_manager

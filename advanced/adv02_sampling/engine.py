@@ -24,7 +24,7 @@ from torch import Tensor
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step09_continuous_batching.sequence import Sequence
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step20_real_model.engine import LLMEngine
+from step20_real_model.engine import LogprobsEngine
 from step20_real_model.llm import LLM
 
 from .beam_search import BeamSearchParams, BeamSequence, llm_beam_search
@@ -71,7 +71,7 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
                          "or set bad_words_token_ids yourself")
 
 
-class AdvEngine(PenaltiesMixin, LLMEngine):
+class AdvEngine(PenaltiesMixin, LogprobsEngine):
     """Lesson 20's engine (lesson 18's + logprobs) with penalties. The MRO puts the penalties
     after LogprobsMixin's compute_logits: logprobs stay raw, as vLLM's default."""
 
@@ -101,8 +101,8 @@ class AdvLLM(LLM):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if type(self.engine) is not LLMEngine:
-            raise TypeError(f"expected lesson 20's LLMEngine, got {type(self.engine).__name__}")
+        if type(self.engine) is not LogprobsEngine:
+            raise TypeError(f"expected lesson 20's LogprobsEngine, got {type(self.engine).__name__}")
         # The mixin adds methods and no state at construction, so the engine lesson 20 built
         # becomes an AdvEngine in place (lesson 20's LLM has no hook to choose the engine class;
         # the alternative is copying its __init__).
