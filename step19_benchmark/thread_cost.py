@@ -21,7 +21,7 @@ from minivllm_support.timing import compare, format_ratio
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step16_cuda_graph.engine import GraphEngine
+from step17_cpu_kernels.engine import build_engine
 
 
 def in_new_thread(fn):
@@ -43,9 +43,9 @@ def main() -> None:
     t = compare({"main": linears, "thread": lambda: in_new_thread(linears)}, repeats=5)
     print(f"bf16 linear 64 x 576 -> 1536: main thread {t['main'].median / 300 * 1e6:.0f} us, "
           f"new thread {t['thread'].median / 300 * 1e6:.0f} us ({format_ratio(t['thread'], t['main'], 'slower')})")
-    engine = GraphEngine(load_model(embedded_smollm2(), torch.bfloat16),
-                         PagedSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512,
-                                              kv_cache_bytes=512 * 2**20))
+    engine = build_engine(load_model(embedded_smollm2(), torch.bfloat16),
+                          PagedSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512,
+                                               kv_cache_bytes=512 * 2**20))
     prompts = [[1 + (i * 7 + j) % 4000 for j in range(60)] for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 

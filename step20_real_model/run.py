@@ -80,9 +80,7 @@ def stops(llm: LLM) -> None:
           f"stop_reason={cut.stop_reason!r})")
     print(f"  ... kept      : {kept.text!r}")
     s = llm.engine.stats()
-    scratch = 1 if llm.engine.runner else 0        # lesson 16's padding block, held for good
-    print(f"  afterwards: {s.num_running} running, {s.kv_blocks_used - scratch} KV blocks in use"
-          f"{' (besides the graph runner scratch block)' if scratch else ''}\n")
+    print(f"  afterwards: {s.num_running} running, {s.kv_blocks_used} KV blocks in use\n")
 
 
 def logprobs(llm: LLM) -> None:

@@ -29,10 +29,8 @@ class EngineCollector(Collector):
 
     def collect(self):
         s = self.engine.stats()     # read from the event loop while the engine steps: plain ints
-        # Lesson 16's graph runner keeps one block for good as the padding rows' scratch space;
-        # it is not cache a request can use, so it counts neither as used nor as capacity.
-        scratch = 1 if getattr(self.engine, "runner", None) is not None else 0
-        usage = (s.kv_blocks_used - scratch) / max(1, s.kv_blocks_total - scratch)
+        # Blocks the block manager hands out (lesson 16's scratch block is outside them).
+        usage = s.kv_blocks_used / max(1, s.kv_blocks_total)
         gauges = [("num_requests_running", "Requests in the running batch.", s.num_running),
                   ("num_requests_waiting", "Requests waiting to be scheduled (new or preempted).", s.num_waiting),
                   ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage)]

@@ -116,7 +116,7 @@ def test_client_reports_failures_without_raising():
 # ---- a short ladder and online run, end to end --------------------------------------------------
 def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_path):
     from step04_transformer.loader import load_model
-    from step16_cuda_graph.engine import GraphEngine
+    from step17_cpu_kernels.engine import build_engine
     from step19_benchmark import plots
     from step19_benchmark.frontend import AsyncEngine
     from step19_benchmark.ladder import EngineSetup, Workload
@@ -127,15 +127,16 @@ def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_pa
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     work = Workload("tiny", prompts, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 4)
     setup = EngineSetup(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_bytes=2**22, block_size=4)
-    results = ladder(tiny_qwen3_dir, torch.float32, work, setup, ["hf", "07", "08", "09", "13", "14"],
+    results = ladder(tiny_qwen3_dir, torch.float32, work, setup, ["hf", "07", "08", "09", "13", "14", "17"],
                      {"07": 2}, [2, 4], tp=2)
-    assert [r.output_tokens for r in results] == [24, 12, 24, 24, 24, 24]
+    assert [r.output_tokens for r in results] == [24, 12, 24, 24, 24, 24, 24]
+    assert results[-1].name == "17 CPU fast path"                  # the CPU-kernel lesson is its own rung
     assert results[1].requests == 2 and results[1].of == 4
     print_table(results, "tiny")
     rows = [r.to_dict() for r in results]
     assert plots.ladder_plot(rows, "tiny", tmp_path / "ladder.png").stat().st_size > 1000
 
-    front = AsyncEngine(GraphEngine(load_model(tiny_qwen3_dir, torch.float32), setup.paged(), use_graph=False),
+    front = AsyncEngine(build_engine(load_model(tiny_qwen3_dir, torch.float32), setup.paged(), use_graph=False),
                         threaded=False)              # as run.py: the engine loop in this thread
     try:
         runs = sweep(engine_sender(front), [Request(p, 6) for p in prompts], [math.inf, 50.0])
