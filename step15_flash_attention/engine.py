@@ -13,6 +13,7 @@ not the engine: the engine is given them, and `build_engine` shows where each co
     runner         how a step's forward runs: `ModelRunner` runs it       15 (16: recorded steps,
                    eagerly                                                    17: the CPU fast path)
     sampler        greedy, temperature, top-k, top-p, min-p                06
+    output_processor  optional: reads the step's logits after sampling    20 (logprobs)
 
 One step (lesson 09's `step`, unchanged): scheduler.schedule() -> runner.forward(batch,
 ids, positions, step attention) -> runner.compute_logits -> sampler -> scheduler.after_step.
@@ -22,6 +23,7 @@ backend's kernel: what every layer calls.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Sequence as Seq
 
 import torch
@@ -31,6 +33,7 @@ from step04_transformer.model import StepAttention
 from step06_sampler.sampler import Sampler
 from step09_continuous_batching.engine import LLMEngine
 from step09_continuous_batching.scheduler import ScheduledBatch
+from step09_continuous_batching.sequence import Sequence
 from step12_paged_attention.scheduler import PagedScheduler, PagedSchedulerConfig
 from step13_prefix_cache.block_manager import PrefixCachingBlockManager
 from step13_prefix_cache.engine import PrefixCachingScheduler
@@ -53,14 +56,22 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
 
+# Called after each step with the sequences that got a token (their new token appended) and
+# their rows of the step's logits, in the same order.
+OutputProcessor = Callable[[list[Sequence], Tensor], None]
+
+
 class Engine(LLMEngine):
     def __init__(self, model: nn.Module, scheduler: PagedScheduler, kv_pool, attention: AttentionBackend,
-                 runner: ModelRunner | None = None, sampler: Sampler | None = None, eos_ids: Seq[int] | None = None):
+                 runner: ModelRunner | None = None, sampler: Sampler | None = None, eos_ids: Seq[int] | None = None,
+                 output_processor: OutputProcessor | None = None):
         if not isinstance(scheduler, PagedScheduler):
             raise TypeError(f"Engine needs a paged scheduler (lessons 12-13), got {type(scheduler).__name__}")
         super().__init__(model, scheduler, eos_ids, sampler)
         self.kv_pool, self.attention = kv_pool, attention
         self.runner = runner or ModelRunner(model)
+        self.output_processor = output_processor
+        self._step_logits: Tensor | None = None
         self.counters = TokenCounters()
 
     def prepare_kv(self, batch: ScheduledBatch) -> None:
@@ -74,12 +85,31 @@ class Engine(LLMEngine):
         return self.runner.forward(batch, input_ids, positions, self.make_attention(batch))
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.runner.compute_logits(hidden)
+        logits = self.runner.compute_logits(hidden)
+        if self.output_processor is not None:
+            self._step_logits = logits          # rows in the order of the step's sampled sequences
+        return logits
 
-    def step(self):
+    def step(self) -> list[Sequence]:
+        self._step_logits = None
         sampled = super().step()
         self.counters.generation_tokens += len(sampled)
+        if self.output_processor is not None and sampled and self._step_logits is not None:
+            self.output_processor(sampled, self._step_logits)
+        self._step_logits = None
         return sampled
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (lesson 18's workers); idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def stats(self) -> EngineStats:
         return self.counters.stats(self.scheduler)

@@ -119,7 +119,8 @@ class TPRunner(ModelRunner):
 class TPEngine(Engine):
     def __init__(self, model: str | Path, scheduler: PagedSchedulerConfig | None = None, *, tensor_parallel_size: int = 1,
                  dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None,
-                 timeout_s: float = 60.0, all_reduce: str = "auto", pack_weights: bool = True, **kwargs):
+                 timeout_s: float = 60.0, all_reduce: str = "auto", pack_weights: bool = True,
+                 output_processor=None, **kwargs):
         """model: a checkpoint folder (each rank loads its own slices of it). scheduler: the
         engine's PagedSchedulerConfig. kwargs: lesson 17's build_engine options (tp == 1 only:
         use_graph, max_bucket, ...).
@@ -152,7 +153,8 @@ class TPEngine(Engine):
             full = load_model(folder, dtype)
             self.rank_memory = [{"weight_bytes": model_bytes(full)}]
             one = lesson17.build_engine(full, scheduler, **kwargs)        # adopt its parts
-            super().__init__(one.model, one.scheduler, one.kv_pool, one.attention, one.runner, one.sampler)
+            super().__init__(one.model, one.scheduler, one.kv_pool, one.attention, one.runner, one.sampler,
+                             output_processor=output_processor)
             self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
             return
         shm_elems = min(_max_batched_tokens(scheduler), SHM_MAX_TOKENS) * cfg.hidden_size
@@ -194,7 +196,7 @@ class TPEngine(Engine):
             config = fit_block_size(scheduler or PagedSchedulerConfig(), attention)
             pool = create_kv_pool(shard, config, attention)
             super().__init__(shard, create_scheduler(config, pool.num_blocks), pool, attention,
-                             TPRunner(shard, self.conns), lesson17.KernelSampler())
+                             TPRunner(shard, self.conns), lesson17.KernelSampler(), output_processor=output_processor)
             self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
             for conn in self.conns:
                 conn.send((self.kv_pool.num_blocks, self.kv_pool.block_size, self.attention.name))
@@ -271,9 +273,3 @@ class TPEngine(Engine):
     def _unlink_shm(self) -> None:
         if self.shm_path and os.path.exists(self.shm_path):
             os.unlink(self.shm_path)
-
-    def __enter__(self) -> "TPEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -1,4 +1,4 @@
-"""The engine the `LLM` API drives: lesson 18's (lesson 16's when tensor_parallel_size is 1),
+"""The engine the `LLM` API drives: lesson 18's (lesson 17's when tensor_parallel_size is 1),
 plus log-probabilities.
 
 What changes against lesson 18: a request whose params ask for `logprobs` gets, for every
@@ -8,8 +8,8 @@ come from the logits as the model produced them, before temperature and the top-
 filters: they say what the model thought, not what the sampler was allowed to pick.
 
 The cost is paid only by steps that have such a request: one log_softmax and one topk over
-the vocabulary for those rows. The logits are already there (the sampler needed them);
-compute_logits keeps a reference to them for after the step.
+the vocabulary for those rows. The logits are already there (the sampler needed them): lesson
+15's Engine hands them, after the step, to its output processor, `record_step_logprobs`.
 """
 from __future__ import annotations
 
@@ -25,29 +25,12 @@ from step18_tensor_parallel.engine import TPEngine
 from step20_real_model.outputs import Logprob
 
 
-class LogprobsMixin:
-    """Put in front of any engine of lessons 09-18: `class E(LogprobsMixin, Engine)`."""
-
-    _step_logits: Tensor | None = None
-
-    def add_request(self, prompt_ids, params: EngineSamplingParams | None = None) -> Sequence:
-        seq = super().add_request(prompt_ids, params)
-        seq.logprobs = [] if getattr(seq.params, "logprobs", None) is not None else None
-        return seq
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        logits = super().compute_logits(hidden)
-        self._step_logits = logits          # rows in the order of the step's sampled sequences
-        return logits
-
-    def step(self) -> list[Sequence]:
-        self._step_logits = None
-        sampled = super().step()
-        rows = [i for i, s in enumerate(sampled) if getattr(s, "logprobs", None) is not None]
-        if rows and self._step_logits is not None:
-            record_logprobs(self._step_logits[rows], [sampled[i] for i in rows])
-        self._step_logits = None
-        return sampled
+def record_step_logprobs(sampled: list[Sequence], logits: Tensor) -> None:
+    """Lesson 15's Engine calls this after each step (its output_processor) with the sequences
+    that got a token and their logits rows: record logprobs for those that asked."""
+    rows = [i for i, s in enumerate(sampled) if getattr(s, "logprobs", None) is not None]
+    if rows:
+        record_logprobs(logits[rows], [sampled[i] for i in rows])
 
 
 def record_logprobs(logits: Tensor, seqs: list[Sequence]) -> None:
@@ -67,8 +50,17 @@ def record_logprobs(logits: Tensor, seqs: list[Sequence]) -> None:
         seq.logprobs.append(entry)
 
 
-class LogprobsEngine(LogprobsMixin, TPEngine):
-    """Lesson 18's engine with logprobs: TPEngine(folder, config, tensor_parallel_size=...)."""
+class LogprobsEngine(TPEngine):
+    """Lesson 18's engine with logprobs: TPEngine(folder, config, tensor_parallel_size=...)
+    whose output processor is record_step_logprobs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, output_processor=record_step_logprobs, **kwargs)
+
+    def add_request(self, prompt_ids, params: EngineSamplingParams | None = None) -> Sequence:
+        seq = super().add_request(prompt_ids, params)
+        seq.logprobs = [] if getattr(seq.params, "logprobs", None) is not None else None
+        return seq
 
 
 def build_engine(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *, max_num_seqs: int = 16,
@@ -79,4 +71,4 @@ def build_engine(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *, 
     config = PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   kv_cache_bytes=kv_cache_bytes)
     return LogprobsEngine(model_dir, config, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                     use_graph=not enforce_eager)
+                          use_graph=not enforce_eager)
