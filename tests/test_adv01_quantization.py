@@ -1,7 +1,7 @@
 """Advanced lesson 01: RTN quantization stays within half a step of the grid; the int8/int4
 linears equal a matmul with their dequantized weights (bit for bit for the weights themselves);
 the GGUF file's Q4_1 blocks reach the int4 kernel with exactly the file's values; the quantized
-model in lesson 16/19's engine and LLM API generates the same greedy tokens as a plain forward
+model in lesson 16/17's engine and lesson 20's LLM API generates the same greedy tokens as a plain forward
 with the dequantized weights; bad input names the problem."""
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from advanced.adv01_quantization.engine import q4_1_llm, quantize_engine_, quantized_llm
-from advanced.adv01_quantization.gguf_q4_1 import (GGUF_TO_HF, embedded_gguf, gguf_dequantized, load_q4_1_,
+from advanced.adv01_quantization.engine import q4_1_llm, quantize_engine_, quantized_llm, use_model_
+from advanced.adv01_quantization.gguf_q4_1 import (GGUF_TO_HF, embedded_gguf, gguf_dequantized, load_q4_1,
                                                    read_q4_1)
-from advanced.adv01_quantization.linear import Int4Linear, Int8Linear, quantize_, quantized_linear, weight_bytes
+from advanced.adv01_quantization.linear import (Int4Linear, Int8Linear, ModuleHeadLM, count_quantized,
+                                                quantize_linears, quantize_model, quantized_linear, weight_bytes)
 from advanced.adv01_quantization.quality import score
 from advanced.adv01_quantization.quantize import W4A16, W8A16, QuantScheme, quantize
 from minivllm_support.tiny import build_tiny_qwen3
@@ -22,8 +23,9 @@ from step04_transformer.loader import load_model
 from step05_naive.generate import generate_naive
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step14_batched_forward.packed_linear import can_pack
-from step16_cuda_graph.engine import GraphEngine
+from step14_batched_forward.packed_linear import PackedLinear, can_pack, count_modules
+from step16_cuda_graph import engine as lesson16
+from step17_cpu_kernels import engine as lesson17
 from step20_real_model.params import SamplingParams as LLMParams
 
 SCHEMES = [W8A16, W4A16, QuantScheme(4, 64, symmetric=True), QuantScheme(4, 128, symmetric=False)]
@@ -31,8 +33,7 @@ SCHEMES = [W8A16, W4A16, QuantScheme(4, 64, symmetric=True), QuantScheme(4, 128,
 
 @pytest.fixture(scope="module")
 def plain_smol_fp32(smol_dir):
-    """SmolLM2 in fp32 as loaded, for this file alone: the session's `smol_fp32` may have been
-    handed to an engine by an earlier test, and engines pack (and fuse) the linears in place."""
+    """SmolLM2 in fp32 as loaded, for this file alone."""
     return load_model(smol_dir, torch.float32)
 
 
@@ -131,6 +132,7 @@ def test_weight_bytes_shrink():
     (lambda: quantize(torch.randn(64), W8A16), "2-D float weight"),
     (lambda: quantize(torch.ones(4, 4, dtype=torch.int8), W8A16), "2-D float weight"),
     (lambda: quantize_engine_(SimpleNamespace(runner=object()), W8A16), "enforce_eager=True"),
+    (lambda: use_model_(SimpleNamespace(runner=object()), None), "use_graph=False"),
     (lambda: quantize_engine_(SimpleNamespace(runner=None, workers=[1]), W8A16), "tensor_parallel_size=1"),
 ])
 def test_bad_input_names_the_problem(make, words):
@@ -138,11 +140,21 @@ def test_bad_input_names_the_problem(make, words):
         make()
 
 
-def test_a_refused_scheme_leaves_the_model_unchanged(tiny_dir):
+def test_a_refused_scheme_names_the_layer(tiny_dir):
     model = load_model(tiny_dir, torch.float32)                          # hidden 64: groups of 128 cannot fit
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj: group_size 128 does not divide"):
-        quantize_(model, QuantScheme(4, 128))
-    assert sum(isinstance(m, nn.Linear) for m in model.modules()) == 14
+        quantize_linears(model, QuantScheme(4, 128))
+
+
+def test_quantize_model_is_a_transform(tiny_dir):
+    """A new model; the one given keeps its nn.Linears and its head, and shares what did not change."""
+    model = load_model(tiny_dir, torch.float32)
+    q = quantize_model(model, W4A16, head=W8A16)
+    assert count_quantized(q) == 15 and isinstance(q, ModuleHeadLM) and isinstance(q.lm_head, Int8Linear)
+    assert count_modules(model, nn.Linear) == 14 and type(model) is not ModuleHeadLM and model.lm_head is None
+    assert q.model.embed_tokens is model.model.embed_tokens and q.model.layers[0].input_layernorm is \
+        model.model.layers[0].input_layernorm
+    assert count_quantized(quantize_linears(model, W8A16)) == 14
 
 
 # ---- the GGUF file's Q4_1 blocks ---------------------------------------------------------------
@@ -213,53 +225,73 @@ def _reference_tokens(folder, scheme: QuantScheme | None, head: QuantScheme | No
 @pytest.mark.parametrize("scheme, head", [(W8A16, None), (W4A16, None), (QuantScheme(4, 64, True), W8A16)],
                          ids=["w8a16", "w4a16-g32-asym", "w4a16-g64-sym+int8-head"])
 def test_engine_tokens_equal_dequantized_reference(tiny_dir, scheme, head):
+    """The transform before the build (lesson 17's engine, eager), and an eager engine given its
+    model quantized after the build (lesson 16's): both generate the reference's tokens."""
     want = _reference_tokens(tiny_dir, scheme, head, 16)
-    engine = GraphEngine(load_model(tiny_dir, torch.float32), PagedSchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, kv_cache_bytes=2**22), use_graph=False)
-    assert quantize_engine_(engine, scheme, head) == 14
-    assert sum(isinstance(m, (Int8Linear, Int4Linear)) for m in engine.model.modules()) == 14
-    seqs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    assert [s.output_token_ids for s in seqs] == want
+    config = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_bytes=2**22)
+    model = load_model(tiny_dir, torch.float32)
+    before = lesson17.build_engine(quantize_model(model, scheme, head), config, use_graph=False)
+    after = lesson16.build_engine(model, config, use_graph=False)
+    assert quantize_engine_(after, scheme, head) == 14
+    for engine in (before, after):
+        assert count_quantized(engine.model) == 14 + (head is not None)
+        seqs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        assert [s.output_token_ids for s in seqs] == want
     if scheme.bits == 4:                      # the check can fail: 4 bits change this model's greedy text
         assert want != _reference_tokens(tiny_dir, None, None, 16)
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="no oneDNN bf16 on this CPU: no bf16 linear is packed")
 def test_quantize_after_packing_equals_quantize_before(tiny_dir):
-    """bf16: lesson 14's engine has packed the linears (weights in oneDNN's layout); quantizing
-    them then gives the same integers and scales as quantizing the loaded nn.Linear."""
-    engine = GraphEngine(load_model(tiny_dir, torch.bfloat16), PagedSchedulerConfig(
+    """bf16: lesson 16's engine has packed the linears (weights in oneDNN's layout, lesson 14);
+    quantizing them then gives the same integers and scales as quantizing the loaded nn.Linear."""
+    engine = lesson16.build_engine(load_model(tiny_dir, torch.bfloat16), PagedSchedulerConfig(
         max_num_seqs=2, max_num_batched_tokens=64, kv_cache_bytes=2**22), use_graph=False)
-    assert engine.num_packed == 14
+    assert count_modules(engine.model, PackedLinear) == 14
     quantize_engine_(engine, W4A16, head=W8A16)
-    fresh = load_model(tiny_dir, torch.bfloat16)
-    quantize_(fresh, W4A16)
+    fresh = quantize_linears(load_model(tiny_dir, torch.bfloat16), W4A16)
     for (name, a), b in zip(engine.model.model.layers.named_buffers(), fresh.model.layers.buffers()):
         assert torch.equal(a, b), name
-    assert isinstance(engine.lm_head, Int8Linear)
+    assert isinstance(engine.model.lm_head, Int8Linear) and engine.runner.model is engine.model
     engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4))     # and it runs
+
+
+def test_a_recording_engine_takes_a_model_quantized_before_the_build(tiny_dir):
+    """quantize_engine_ refuses lesson 16's graph runner; the transform before the build does not
+    need it to: the decode steps are recorded with the quantized linears (lesson 16, eager
+    attention kernel calls inside a recorded step on the CPU: compiled)."""
+    config = PagedSchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, kv_cache_bytes=2**22)
+    model = load_model(tiny_dir, torch.float32)
+    graph = lesson16.build_engine(model, config, record_now=False)
+    with pytest.raises(ValueError, match="use_graph=False"):
+        quantize_engine_(graph, W8A16)
+    want = _reference_tokens(tiny_dir, W8A16, None, 8)[:2]
+    engine = lesson16.build_engine(quantize_model(model, W8A16), config, record_now=False)
+    seqs = engine.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [s.output_token_ids for s in seqs] == want and sum(engine.runner.replays.values()) > 0
 
 
 def test_llm_api_runs_unchanged(tiny_dir):
     want = _reference_tokens(tiny_dir, W4A16, None, 12)
     with quantized_llm(tiny_dir, W4A16, dtype="fp32", kv_cache_bytes=2**22) as llm:
+        assert count_quantized(llm.engine.model) > 0 and llm.engine.runner.model is llm.engine.model
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             LLMParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
 def test_engine_on_the_files_q4_1_blocks(plain_smol_fp32, smol_tokenizer):
-    """fp32, where the int4 kernel's weights are the float copy's exactly: lesson 16's engine on
+    """fp32, where the int4 kernel's weights are the float copy's exactly: lesson 17's engine on
     the Q4_1 blocks = lesson 05's loop on the float copy. (torch's int4 kernel has no vectorised
     fp32 path, so the prompt is short.)"""
-    import copy
     ids = smol_tokenizer.encode("The capital of France is")
     want = generate_naive(plain_smol_fp32, ids, 6, ignore_eos=True).token_ids
-    engine = GraphEngine(copy.deepcopy(plain_smol_fp32), PagedSchedulerConfig(
-        max_num_seqs=1, max_num_batched_tokens=64, kv_cache_bytes=2**24), use_graph=False)
-    report = load_q4_1_(engine.model)
+    model, report = load_q4_1(plain_smol_fp32)
     assert report.swapped == 210 and report.inexact_zeros == 0
-    assert sum(isinstance(m, Int4Linear) for m in engine.model.modules()) == 210
+    assert count_modules(plain_smol_fp32, nn.Linear) == 210                     # the float copy is unchanged
+    engine = lesson17.build_engine(model, PagedSchedulerConfig(
+        max_num_seqs=1, max_num_batched_tokens=64, kv_cache_bytes=2**24), use_graph=False)
+    assert count_modules(engine.model, Int4Linear) == 210
     seq, = engine.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert seq.output_token_ids == want
 
@@ -268,5 +300,6 @@ def test_q4_1_llm(smol_dir):
     llm, report = q4_1_llm(dtype="bf16", kv_cache_bytes=16 * 2**20)
     with llm:
         assert llm.model_dir == smol_dir and report.swapped == 210
+        assert count_modules(llm.engine.model, Int4Linear) == 210
         out = llm.generate("The capital of France is", LLMParams(temperature=0, max_tokens=3), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from advanced.adv03_speculative import rejection
-from advanced.adv03_speculative.engine import SpecEngine, SpecGraphEngine
+from advanced.adv03_speculative.engine import SpecBlockManager, SpecEngine, build_spec_engine
 from advanced.adv03_speculative.proposers import Draft, LayerSkipProposer, NgramProposer, prompt_lookup
 from advanced.adv03_speculative.rejection import rejection_sample, verify_greedy
 from minivllm_support.models import chat_prompt_ids
@@ -24,8 +24,10 @@ from step06_sampler.sampler import Sampler, exponential_race
 from step06_sampler.stats import chi2_critical, frequency_test
 from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step13_prefix_cache.engine import PrefixCachingEngine
-from step16_cuda_graph.engine import GraphEngine
+from step13_prefix_cache.block_manager import PrefixCachingBlockManager
+from step16_cuda_graph import engine as lesson16
+from step16_cuda_graph.runner import GraphRunner
+from step17_cpu_kernels import engine as lesson17
 
 ALPHA = 1e-3          # fixed seeds make every test deterministic; alpha bounds a false alarm
 
@@ -53,6 +55,16 @@ def _config(model, block_size=4, blocks=200, **kw):
     kw.setdefault("max_num_seqs", 4)
     kw.setdefault("max_num_batched_tokens", 64)
     return PagedSchedulerConfig(block_size=block_size, kv_cache_bytes=blocks * bpb, **kw)
+
+
+def plain(model, config, **kw):
+    """Lesson 15's engine on the model's own (unpacked) linears, every step eager."""
+    return lesson16.build_engine(model, config, use_graph=False, pack_weights=False, **kw)
+
+
+def spec_engine(model, config, **kw):
+    """The same engine with speculative decoding."""
+    return build_spec_engine(model, config, lesson=16, use_graph=False, pack_weights=False, **kw)
 
 
 def check_pool(engine) -> None:
@@ -138,9 +150,8 @@ def test_greedy_equals_engine_with_partial_grants_and_preemption(tiny64, propose
     # 4 running x (1 + 3) tokens > a budget of 10: some get fewer slots than they asked for;
     # 22 blocks of 4 for 6 requests of up to 47 tokens: preemptions.
     config = _config(tiny64, blocks=22, max_num_batched_tokens=10)
-    ref = GraphEngine(tiny64, config, use_graph=False, pack_weights=False).generate(prompts, params)
-    engine = SpecGraphEngine(tiny64, config, use_graph=False, pack_weights=False, proposer=PROPOSERS[proposer](),
-                             num_speculative_tokens=3)
+    ref = plain(tiny64, config).generate(prompts, params)
+    engine = spec_engine(tiny64, config, proposer=PROPOSERS[proposer](), num_speculative_tokens=3)
     assert run_checked(engine, prompts, params) == [s.output_token_ids for s in ref]
     spec = engine.spec
     assert 0 < spec.accepted < spec.drafted                     # both accepted and rejected drafts
@@ -148,16 +159,41 @@ def test_greedy_equals_engine_with_partial_grants_and_preemption(tiny64, propose
     assert spec.tokens_per_forward > 1 and engine.num_steps < len(ref) + sum(p.max_tokens for p in params)
 
 
-def test_lesson13_engine_and_several_draft_lengths(tiny64, one_thread):
+def test_lesson17_model_and_several_draft_lengths(tiny64, one_thread):
+    """Lesson 17's engine without graphs: its model transforms (packed, fused q|k|v and gate|up)
+    and sampler, under the draft too."""
     prompts = _prompts(tiny64, seed=1)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * len(prompts)
     config = _config(tiny64, max_num_seqs=6)
-    ref = [s.output_token_ids for s in PrefixCachingEngine(tiny64, config).generate(prompts, params)]
+    ref = [s.output_token_ids for s in lesson17.build_engine(tiny64, config, use_graph=False).generate(prompts, params)]
     for k, proposer in ((0, NgramProposer(2, 4)), (1, NgramProposer(2, 4)), (5, NgramProposer(2, 4)),
-                        (3, LayerSkipProposer(2))):      # lesson 12's per-sequence attention for the draft too
-        engine = SpecEngine(tiny64, config, proposer=proposer, num_speculative_tokens=k)
+                        (3, LayerSkipProposer(2))):
+        engine = build_spec_engine(tiny64, config, proposer=proposer, num_speculative_tokens=k, use_graph=False)
+        assert type(engine) is SpecEngine
         assert run_checked(engine, prompts, params) == ref, k
         assert (engine.spec.drafted > 0) == (k > 0)
+
+
+@pytest.mark.parametrize("lesson", [16, 17])
+def test_recorded_decode_steps_and_verification_steps(tiny64, lesson, one_thread):
+    """Lessons 16 and 17's runners: steps where no sequence has a guess replay a recorded decode
+    step, verification steps (1 + k tokens a sequence) take the prompt-step path (lesson 17: its
+    compiled body with a dynamic token count); the tokens of the same engine without graphs."""
+    prompts = _prompts(tiny64, seed=4)[:3]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 12, 20)]
+    config = _config(tiny64, max_num_seqs=4)
+    if lesson == 16:
+        ref = plain(tiny64, config)
+        engine = build_spec_engine(tiny64, config, proposer=NgramProposer(2, 3), num_speculative_tokens=3,
+                                   lesson=16, pack_weights=False, record_now=False)
+    else:
+        ref = lesson17.build_engine(tiny64, config, use_graph=False)
+        engine = build_spec_engine(tiny64, config, proposer=NgramProposer(2, 3), num_speculative_tokens=3)
+    assert isinstance(engine.runner, GraphRunner)
+    assert engine.kv_pool.num_blocks == engine.scheduler.block_manager.num_blocks + 1    # the scratch block
+    want = [s.output_token_ids for s in ref.generate(prompts, params)]
+    assert run_checked(engine, prompts, params) == want
+    assert engine.spec.drafted > 0 and sum(engine.runner.replays.values()) > 0
 
 
 def test_embedded_model_greedy_equals_engine(smol_fp32, smol_tokenizer, one_thread):
@@ -167,11 +203,12 @@ def test_embedded_model_greedy_equals_engine(smol_fp32, smol_tokenizer, one_thre
     prompts = [chat_prompt_ids(smol_tokenizer, q) for q in questions]
     sp = SamplingParams(temperature=0, max_tokens=24)
     config = _config(smol_fp32, block_size=16, blocks=40, max_num_batched_tokens=256)
-    ref = [s.output_token_ids for s in GraphEngine(smol_fp32, config, use_graph=False).generate(prompts, [sp] * 3)]
-    ngram = SpecGraphEngine(smol_fp32, config, use_graph=False, proposer=NgramProposer(1, 3), num_speculative_tokens=4)
+    ref = [s.output_token_ids for s in lesson17.build_engine(smol_fp32, config, use_graph=False)
+           .generate(prompts, [sp] * 3)]
+    ngram = build_spec_engine(smol_fp32, config, use_graph=False, proposer=NgramProposer(1, 3), num_speculative_tokens=4)
     assert run_checked(ngram, prompts, [sp] * 3) == ref
     assert ngram.spec.acceptance_rate > 0.3 and ngram.spec.tokens_per_forward > 1.5
-    skip = SpecGraphEngine(smol_fp32, config, use_graph=False, proposer=LayerSkipProposer(6), num_speculative_tokens=2)
+    skip = build_spec_engine(smol_fp32, config, use_graph=False, proposer=LayerSkipProposer(6), num_speculative_tokens=2)
     short = SamplingParams(temperature=0, max_tokens=12)            # its drafts cost time and are rarely right
     assert run_checked(skip, prompts[:1], [short]) == [ref[0][:12]]
     assert skip.spec.drafted > 0
@@ -209,8 +246,7 @@ def joint16(tiny16):
 
 def _sample_joint(model, proposer, n, seeded: bool):
     config = _config(model, blocks=n * 5 + 10, max_num_seqs=n, max_num_batched_tokens=n * len(PROMPT16))
-    engine = SpecGraphEngine(model, config, use_graph=False, pack_weights=False, proposer=proposer,
-                             num_speculative_tokens=3)
+    engine = spec_engine(model, config, proposer=proposer, num_speculative_tokens=3)
     params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)] \
         if seeded else [SP16] * n
     with torch.random.fork_rng(devices=[]):
@@ -271,12 +307,11 @@ def test_rollback_with_scripted_rejections(tiny64, one_thread):
     prompts = _prompts(tiny64, seed=2)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (25, 18, 30, 21, 27, 16)]
     config = _config(tiny64, blocks=24, max_num_batched_tokens=14)
-    ref = [s.output_token_ids for s in GraphEngine(tiny64, config, use_graph=False, pack_weights=False)
-           .generate(prompts, params)]
+    ref = [s.output_token_ids for s in plain(tiny64, config).generate(prompts, params)]
     refs = {tuple(p): r for p, r in zip(prompts, ref)}
     for wrong_every in (0, 2, 3, 7):
-        engine = SpecGraphEngine(tiny64, config, use_graph=False, pack_weights=False, num_speculative_tokens=4,
-                                 proposer=ScriptedProposer(refs, tiny64.config.vocab_size, wrong_every))
+        engine = spec_engine(tiny64, config, num_speculative_tokens=4,
+                             proposer=ScriptedProposer(refs, tiny64.config.vocab_size, wrong_every))
         assert run_checked(engine, prompts, params) == ref, wrong_every
         assert (engine.spec.accepted == engine.spec.drafted) == (wrong_every == 0)
 
@@ -285,12 +320,11 @@ def test_max_tokens_eos_and_stop_tokens_inside_accepted_runs(tiny64, one_thread)
     prompt = _prompts(tiny64, seed=3)[0]
     config = _config(tiny64)
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = GraphEngine(tiny64, config, use_graph=False, pack_weights=False).generate([prompt], long)[0].output_token_ids
+    ref = plain(tiny64, config).generate([prompt], long)[0].output_token_ids
     proposer = ScriptedProposer({tuple(prompt): ref}, tiny64.config.vocab_size)
 
     def spec(params, **kw):
-        e = SpecGraphEngine(tiny64, config, use_graph=False, pack_weights=False, proposer=proposer,
-                            num_speculative_tokens=4, **kw)
+        e = spec_engine(tiny64, config, proposer=proposer, num_speculative_tokens=4, **kw)
         out = run_checked(e, [prompt], [params])[0]
         return out, e.spec
 
@@ -312,10 +346,15 @@ def test_max_tokens_eos_and_stop_tokens_inside_accepted_runs(tiny64, one_thread)
 
 def test_rejects_bad_settings(tiny64):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        SpecEngine(tiny64, _config(tiny64), num_speculative_tokens=-1)
+        spec_engine(tiny64, _config(tiny64), num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="lesson must be 16 or 17"):
+        build_spec_engine(tiny64, _config(tiny64), lesson=15)
+    with pytest.raises(TypeError, match="SpecBlockManager"):      # lesson 13's cannot roll back
+        lesson16.build_engine(tiny64, _config(tiny64), use_graph=False, engine_class=SpecEngine,
+                              block_manager_class=PrefixCachingBlockManager)
     with pytest.raises(ValueError, match="min_n"):
         NgramProposer(3, 2)
-    engine = SpecEngine(tiny64, _config(tiny64), proposer=LayerSkipProposer(9))
+    engine = spec_engine(tiny64, _config(tiny64), proposer=LayerSkipProposer(9))
     engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=5))
     engine.step()                                         # the prefill: no draft yet
     with pytest.raises(ValueError, match="num_layers"):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from advanced.adv05_radix_cache.block_manager import RadixBlockManager
-from advanced.adv05_radix_cache.engine import RadixEngine, RadixGraphEngine, copy_blocks
+from advanced.adv05_radix_cache.engine import RadixEngine, build_radix_engine, copy_blocks
 from advanced.adv05_radix_cache.radix_tree import RadixTree
 from minivllm_support.models import chat_prompt_ids
 from step04_transformer.loader import load_model
@@ -19,9 +19,10 @@ from step06_sampler.params import SamplingParams
 from step09_continuous_batching.sequence import Sequence
 from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step13_prefix_cache.engine import PrefixCachingEngine
 from step14_batched_forward.kv_pool import HeadMajorKVPool
-from step16_cuda_graph.engine import GraphEngine
+from step16_cuda_graph import engine as lesson16
+from step16_cuda_graph.runner import GraphRunner
+from step17_cpu_kernels import engine as lesson17
 
 
 # ---- a model of the pool: each slot holds a name of the prefix whose K/V it would hold ---------
@@ -273,6 +274,16 @@ def _config(model, block_size=16, blocks=200, **kw):
     return PagedSchedulerConfig(block_size=block_size, kv_cache_bytes=blocks * bpb, **kw)
 
 
+def plain(model, config, **kw):
+    """Lesson 15's engine (lesson 13's block hashing) on the model's own linears, every step eager."""
+    return lesson16.build_engine(model, config, use_graph=False, pack_weights=False, **kw)
+
+
+def radix(model, config, **kw):
+    """The same engine with the radix cache."""
+    return build_radix_engine(model, config, lesson=16, use_graph=False, pack_weights=False, **kw)
+
+
 def staggered(engine, prompts, params):
     """One arrival per engine step: each request can reuse what the earlier ones computed,
     while they are still running (and writing into the blocks it shares)."""
@@ -291,10 +302,11 @@ def test_equals_lesson13_and_reuses_more(smol_fp32, smol_tokenizer, one_thread):
     shared = next(i for i in range(len(prompts[0])) if prompts[0][i] != prompts[1][i])
     assert shared % 16, "the shared prefix must end inside a block"
     sp = SamplingParams(temperature=0, max_tokens=8)
-    lesson13 = PrefixCachingEngine(smol_fp32, _config(smol_fp32))
-    radix = RadixEngine(smol_fp32, _config(smol_fp32))
-    assert staggered(radix, prompts, sp) == staggered(lesson13, prompts, sp)
-    r, h = radix.scheduler.block_manager, lesson13.scheduler.block_manager
+    lesson13 = plain(smol_fp32, _config(smol_fp32))
+    engine = radix(smol_fp32, _config(smol_fp32))
+    assert type(engine) is RadixEngine
+    assert staggered(engine, prompts, sp) == staggered(lesson13, prompts, sp)
+    r, h = engine.scheduler.block_manager, lesson13.scheduler.block_manager
     assert r.hit_tokens > h.hit_tokens and r.hit_tokens >= 3 * shared
     assert r.num_copies >= 3                             # every later request copied its mid-block
 
@@ -303,7 +315,7 @@ def test_forked_conversation_keeps_both_branches(smol_fp32, smol_tokenizer, one_
     prompt = chat_prompt_ids(smol_tokenizer, "Name a fruit.", system=SYSTEM)
     assert len(prompt) % 16, "the fork point must be inside a block"
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    engine = RadixEngine(smol_fp32, _config(smol_fp32))
+    engine = radix(smol_fp32, _config(smol_fp32))
     parent = engine.add_request(prompt, sp)
     engine.step()                                          # prefill; parent holds 1 sampled token
     alt = smol_tokenizer.encode(" Banana", add_special_tokens=False)[0]
@@ -312,7 +324,7 @@ def test_forked_conversation_keeps_both_branches(smol_fp32, smol_tokenizer, one_
     while engine.has_unfinished():
         engine.step()
     assert engine.scheduler.block_manager.num_copies == 1
-    ref = PrefixCachingEngine(smol_fp32, _config(smol_fp32))
+    ref = plain(smol_fp32, _config(smol_fp32))
     rest = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)   # alt is the child's first
     want = ref.generate([prompt, prompt + [alt]], [sp, rest])
     assert parent.output_token_ids == want[0].output_token_ids
@@ -326,18 +338,47 @@ def tiny(tiny_qwen3_dir):
     return load_model(tiny_qwen3_dir, torch.float32)
 
 
-def test_batched_engine_under_preemption_equals_lesson13(tiny, one_thread):
+def test_lesson17_engine_under_preemption_equals_lesson13(tiny, one_thread):
+    """Lesson 17's engine without graphs (packed, fused projections), with and without the radix cache."""
     g = torch.Generator().manual_seed(3)
     stem = torch.randint(5, tiny.config.vocab_size, (21,), generator=g).tolist()
     prompts = [stem[:n] + torch.randint(5, tiny.config.vocab_size, (m,), generator=g).tolist()
                for n, m in ((21, 6), (14, 9), (21, 3), (7, 20), (18, 5), (21, 11))]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     config = _config(tiny, block_size=4, blocks=18, max_num_batched_tokens=24)
-    ref = staggered(GraphEngine(tiny, config, use_graph=False, pack_weights=False), prompts, sp)
-    engine = RadixGraphEngine(tiny, config, use_graph=False, pack_weights=False)
+    ref = staggered(lesson17.build_engine(tiny, config, use_graph=False), prompts, sp)
+    engine = build_radix_engine(tiny, config, use_graph=False)
     assert staggered(engine, prompts, sp) == ref
     stats, bm = engine.stats(), engine.scheduler.block_manager
     assert engine.scheduler.num_preemptions > 0 and bm.num_copies > 0
     assert stats.prefix_cache_hits == bm.hit_tokens > 0 and stats.kv_blocks_used == 0
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request(stem * 3, SamplingParams(max_tokens=10))   # 73 tokens: 19 blocks > 18
+
+
+def test_recorded_decode_steps_copy_before_the_replay(tiny, one_thread):
+    """Lesson 16's runner: decode steps replay a recorded step, and the copies a fork queues are
+    made before it (prepare_kv runs before the runner, whatever the runner)."""
+    prompt = torch.randint(5, tiny.config.vocab_size, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    config = _config(tiny, block_size=4, blocks=24)
+    engine = build_radix_engine(tiny, config, lesson=16, pack_weights=False, record_now=False)
+    assert isinstance(engine.runner, GraphRunner)
+    parent = engine.add_request(prompt, sp)
+    engine.step()                                          # prefill: position 10 is inside a block
+    alt = (parent.token_ids[-1] + 1) % tiny.config.vocab_size
+    child = engine.fork(parent, next_token=alt)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.block_manager.num_copies == 1 and sum(engine.runner.replays.values()) > 0
+    want = plain(tiny, config).generate([prompt, prompt + [alt]], [sp, SamplingParams(temperature=0, max_tokens=7,
+                                                                                       ignore_eos=True)])
+    assert parent.output_token_ids == want[0].output_token_ids
+    assert child.output_token_ids == [alt] + want[1].output_token_ids
+
+
+def test_needs_the_radix_parts(tiny):
+    with pytest.raises(TypeError, match="RadixScheduler"):
+        lesson16.build_engine(tiny, _config(tiny), use_graph=False, engine_class=RadixEngine)
+    with pytest.raises(ValueError, match="lesson must be 16 or 17"):
+        build_radix_engine(tiny, _config(tiny), lesson=13)

@@ -7,6 +7,9 @@ variant runs the same sequences on the same KV pool, taking turns (timing.compar
     bytes        what one decode step must read: every linear once, and the LM head
     rows sweep   the 28 gate_proj linears (1024 -> 3072) at 1 to 64 rows: where each kernel wins
     decode step  lesson 16's engine (eager), B sequences decoding, engine.step() each
+
+The timings swap modules in place on purpose (one engine, one KV pool, the same sequences for
+every variant); everything else in this lesson uses the transforms of linear.py.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from advanced.adv01_quantization.linear import Int8Linear, quantized_linear, weight_bytes
+from advanced.adv01_quantization.linear import Int8Linear, quantized_linear, weight_bytes, with_head
 from advanced.adv01_quantization.quantize import QuantScheme, quantize
 from minivllm_support.timing import Timing, compare
 from step04_transformer.config import ModelConfig
@@ -25,8 +28,8 @@ from step04_transformer.model import CausalLM
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.bench import QWEN3_06B_SHAPE
 from step14_batched_forward.packed_linear import PackedLinear
-from step16_cuda_graph.bench import fill
-from step16_cuda_graph.engine import GraphEngine
+from step16_cuda_graph.engine import build_engine
+from step17_cpu_kernels.bench import fill
 
 
 def random_model(shape: dict = QWEN3_06B_SHAPE, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> CausalLM:
@@ -63,7 +66,7 @@ def linear_slots(model: CausalLM) -> list[tuple[nn.Module, str]]:
 class Variant:
     name: str
     linears: list[nn.Module]
-    head: nn.Module                     # what engine.lm_head becomes
+    head: nn.Module                     # what the engine's model's lm_head becomes (a ModuleHeadLM)
     bytes_linears: int
     bytes_head: int
 
@@ -71,7 +74,7 @@ class Variant:
         for (parent, attr), module in zip(slots, self.linears):
             setattr(parent, attr, module)
         if engine is not None:
-            engine.lm_head = self.head
+            engine.model.lm_head = self.head
 
     @property
     def bytes(self) -> int:
@@ -147,8 +150,9 @@ def time_decode(model: CausalLM, variants: list[Variant], batch: int, context: i
     kv = batch * total * model.config.kv_bytes_per_token
     config = PagedSchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=512, kv_cache_bytes=int(kv * 1.2))
     variants[0].install(slots)
-    engine = GraphEngine(model, config, use_graph=False)
-    variants[0].install(slots, engine)
+    # Lesson 16's engine without graphs, on a shallow copy of `model` whose logits come from a head
+    # module (linear.with_head): its decoder is `model`'s, so the slots are the engine's too.
+    engine = build_engine(with_head(model, variants[0].head), config, use_graph=False, pack_weights=False)
     fill(engine, batch, context, max_tokens=total - context)
 
     def run(v: Variant):

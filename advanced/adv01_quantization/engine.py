@@ -1,21 +1,21 @@
-"""Quantized weights under the engine of lessons 16-20, and under lesson 20's `LLM`, unchanged.
+"""Quantized weights under the engine of lessons 15-17, and under lesson 20's `LLM`, unchanged.
 
 The engine never sees a quantization scheme: it calls `model(input_ids, positions, attn)`
-and the model calls its linears. Swapping the linears (after loading, the way vLLM's
-`process_weights_after_loading` repacks them) is all it takes:
+and the model calls its linears. Quantization is a model transform (linear.py), applied
+before the model is handed to an engine, as lesson 14's packing is:
 
-    llm = quantized_llm(scheme=W8A16)            # lesson 20's LLM, linears swapped to int8
-    llm = q4_1_llm()                             # the embedded SmolLM2 on its own Q4_1 blocks
+    engine = build_engine(quantize_model(model, W8A16), config, use_graph=False)   # lesson 16's or 17's
+    llm = quantized_llm(scheme=W8A16)            # lesson 20's LLM, its model's linears int8
+    llm, report = q4_1_llm()                     # the embedded SmolLM2 on its own Q4_1 blocks
     llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16))
 
-Two things the swap has to respect:
-  - lesson 16's graph runner records the decode step with the linears it found; swapping
-    afterwards would leave the recorded step reading the old ones. So the engine must be
-    eager (`use_graph=False`; `LLM(enforce_eager=True)`), and quantize_engine_ refuses otherwise.
-  - lesson 18's tensor-parallel workers load their own shards in their own processes; only
-    tensor_parallel_size=1 is quantized here.
-The LM head is not a linear of the model (it is the tied embedding): lesson 16's engine keeps a
-packed copy of it in `engine.lm_head`, and `head=` replaces that copy by a quantized one.
+Lesson 20's LLM builds its engine from a folder, with no hook for a model transform, so the
+two LLM helpers give the eager engine it built a quantized model afterwards (`use_model_`: the
+engine's model and its runner's). Two engines cannot take that:
+  - one that records its decode steps (lessons 16-17's graph runners): the recording would keep
+    calling the old linears. Build it with `use_graph=False` (`LLM(enforce_eager=True)`);
+  - lesson 18's tensor-parallel engine: its workers load their own shards in their own
+    processes; only tensor_parallel_size=1 is quantized here.
 """
 from __future__ import annotations
 
@@ -23,41 +23,41 @@ from pathlib import Path
 
 from torch import nn
 
-from advanced.adv01_quantization.gguf_q4_1 import Q41Report, embedded_gguf, load_q4_1_
-from advanced.adv01_quantization.linear import dense_weight, quantize_, quantized_linear
-from advanced.adv01_quantization.quantize import QuantScheme, W8A16, quantize
+from advanced.adv01_quantization.gguf_q4_1 import Q41Report, embedded_gguf, load_q4_1
+from advanced.adv01_quantization.linear import count_quantized, quantize_model
+from advanced.adv01_quantization.quantize import QuantScheme, W8A16
 from minivllm_support.models import embedded_smollm2
+from step04_transformer.loader import load_model
+from step15_flash_attention.engine import ModelRunner
 from step20_real_model.llm import LLM
 
 
 def _check_engine(engine) -> None:
-    if getattr(engine, "runner", None) is not None:
-        raise ValueError("this engine recorded its decode steps with the unquantized linears (lesson 16's "
-                         "graph runner): build it with use_graph=False (LLM: enforce_eager=True), then quantize")
     if getattr(engine, "workers", None):
         raise ValueError("quantizing a tensor-parallel engine is not supported (each worker holds its own shard): "
                          "use tensor_parallel_size=1")
+    if type(getattr(engine, "runner", None)) is not ModelRunner:
+        raise ValueError("this engine records its decode steps with the linears it was built on (lessons 16-17's "
+                         "graph runners): quantize the model before building the engine, or build it with "
+                         "use_graph=False (LLM: enforce_eager=True)")
 
 
-def head_weight(engine):
-    """The LM head's weight as the engine reads it: its packed copy, else the (tied) embedding."""
-    if getattr(engine, "lm_head", None) is not None:
-        return dense_weight(engine.lm_head)[0]
-    model = engine.model
-    return model.model.embed_tokens.weight if model.lm_head is None else dense_weight(model.lm_head)[0]
+def use_model_(engine, model: nn.Module) -> None:
+    """Give an eager engine (lesson 15's, or lesson 16's/17's with use_graph=False) another model
+    of the same shape: its KV pool, scheduler and sampler stay; a new eager runner calls `model`."""
+    _check_engine(engine)
+    if model.config != engine.model.config:
+        raise ValueError("the new model must have the engine's model config (its KV pool is sized for it)")
+    engine.model, engine.runner = model, ModelRunner(model)
 
 
 def quantize_engine_(engine, scheme: QuantScheme, head: QuantScheme | None = None) -> int:
-    """Quantize the decoder linears of `engine.model` in place and, with `head`, the LM head the
-    engine multiplies by (lesson 16's `engine.lm_head`). Returns the number of linears swapped."""
+    """Give an eager engine its model quantized (quantize_model: the decoder linears and, with
+    `head`, the LM head). Returns the number of quantized linears in the decoder layers."""
     _check_engine(engine)
-    if head is not None and not hasattr(engine, "lm_head"):
-        raise ValueError(f"{type(engine).__name__} has no lm_head to replace (lesson 16's engine and later have)")
-    done = quantize_(engine.model, scheme)
-    if head is not None:
-        dtype = engine.model.model.embed_tokens.weight.dtype
-        engine.lm_head = quantized_linear(quantize(head_weight(engine), head, "lm_head"), dtype)
-    return done
+    model = quantize_model(engine.model, scheme, head)
+    use_model_(engine, model)
+    return count_quantized(model.model.layers)
 
 
 def quantized_llm(model: str | Path | None = None, scheme: QuantScheme = W8A16, head: QuantScheme | None = None,
@@ -69,11 +69,11 @@ def quantized_llm(model: str | Path | None = None, scheme: QuantScheme = W8A16, 
 
 
 def q4_1_llm(**llm_options) -> tuple[LLM, Q41Report]:
-    """Lesson 20's LLM (eager) on the embedded SmolLM2, its linears on the GGUF file's own Q4_1 blocks."""
+    """Lesson 20's LLM (eager) on the embedded SmolLM2, its linears on the GGUF file's own Q4_1 blocks.
+    The blocks are found by layer name, so they go into the model as loaded (lesson 17's engine
+    has fused q|k|v and gate|up): loaded once more, transformed, and given to the engine."""
     llm = LLM(embedded_smollm2(), enforce_eager=True, **llm_options)
     _check_engine(llm.engine)
-    return llm, load_q4_1_(llm.engine.model, embedded_gguf())
-
-
-def count_linears(model: nn.Module, kind: type) -> int:
-    return sum(isinstance(m, kind) for m in model.modules())
+    model, report = load_q4_1(load_model(llm.model_dir, llm.dtype), embedded_gguf())
+    use_model_(llm.engine, model)
+    return llm, report

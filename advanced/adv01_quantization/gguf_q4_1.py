@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from advanced.adv01_quantization.linear import Int4Linear
 from advanced.adv01_quantization.quantize import QuantizedWeight, QuantScheme
 from minivllm_support.models import SMOLLM2_GGUF, SMOLLM2_PACKAGE, package_dir
+from step14_batched_forward.packed_linear import replace_modules
 
 Q4_1_BLOCK, Q4_1_BYTES = 32, 20
 Q4_1_SCHEME = QuantScheme(4, group_size=Q4_1_BLOCK, symmetric=False)
@@ -135,23 +136,25 @@ def read_q4_1(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, 
     return found, report
 
 
-def load_q4_1_(model: nn.Module, path: Path | None = None) -> Q41Report:
-    """Swap every linear of `model` that the GGUF file holds in Q4_1 for an Int4Linear built from
-    the file's blocks (not from the model's float copy), in place."""
+def load_q4_1(model: nn.Module, path: Path | None = None) -> tuple[nn.Module, Q41Report]:
+    """`model` with every linear that the GGUF file holds in Q4_1 swapped for an Int4Linear built
+    from the file's blocks (not from the model's float copy): a new model (lesson 14's
+    `replace_modules`), `model` is not changed. Linears are found by name, so give it the model
+    as loaded (before lesson 17 fuses q|k|v and gate|up)."""
     cfg = model.config
     blocks, report = read_q4_1(path or embedded_gguf(), cfg.num_heads, cfg.num_kv_heads)
     dtype = model.model.embed_tokens.weight.dtype
     modules = dict(model.named_modules())
-    for name, b in blocks.items():              # check them all before swapping any
+    for name, b in blocks.items():              # check them all before making any
         mod = modules.get(name)
         if mod is None or (getattr(mod, "out_features", None), getattr(mod, "in_features", None)) != b.q.shape:
             raise ValueError(f"GGUF tensor for {name} {tuple(b.q.shape)} matches no linear of this model "
                              f"(is it the embedded SmolLM2? got {type(mod).__name__ if mod else 'nothing'})")
+    new: dict[int, Int4Linear] = {}
     for name, b in blocks.items():
         qw, inexact = b.as_int4()
         report.inexact_zeros += inexact
         report.blocks += b.d.numel()
-        parent, _, child = name.rpartition(".")
-        setattr(modules[parent], child, Int4Linear(qw, dtype, getattr(modules[name], "bias", None)))
+        new[id(modules[name])] = Int4Linear(qw, dtype, getattr(modules[name], "bias", None))
         report.swapped += 1
-    return report
+    return replace_modules(model, lambda m: new.get(id(m))), report

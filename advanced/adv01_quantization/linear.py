@@ -1,4 +1,5 @@
-"""Quantized linear layers on torch's CPU weight-only kernels, and swapping them into a model.
+"""Quantized linear layers on torch's CPU weight-only kernels, and the model transform that
+puts them in a model's place.
 
     Int8Linear   y = x @ (q * scale)^T      torch.ops.aten._weight_int8pack_mm(x, q, scale)
     Int4Linear   y = x @ ((q-8)*s + z)^T    torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)
@@ -23,12 +24,15 @@ tokens on a GPU. Int4 has no such cheap path in plain torch (see the README).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from advanced.adv01_quantization.quantize import QuantizedWeight, QuantScheme, check_shape, quantize
-from step14_batched_forward.packed_linear import PackedLinear
+from step04_transformer.model import CausalLM
+from step14_batched_forward.packed_linear import PackedLinear, count_modules, replace_modules
 
 # Int8Linear: above this many rows, the bf16 matmul on the converted weight. run.py's rows sweep
 # put the crossover between 8 and 16 rows on the Xeon this was written on.
@@ -111,24 +115,67 @@ def dense_weight(module: nn.Module) -> tuple[Tensor, Tensor | None]:
     raise TypeError(f"expected nn.Linear or PackedLinear, got {type(module).__name__}")
 
 
-def quantize_(model: nn.Module, scheme: QuantScheme) -> int:
-    """Swap every linear of the decoder layers (nn.Linear, or PackedLinear once an engine of
-    lessons 14-20 has packed them) for its quantized version, in place; returns how many.
+def quantize_linears(model: nn.Module, scheme: QuantScheme) -> nn.Module:
+    """`model` with every linear of the decoder layers (nn.Linear, or lesson 14's PackedLinear
+    and lesson 17's fused or op-routed versions of it) swapped for its quantized version: a new
+    model, `model` is not changed (lesson 14's `replace_modules`). `count_quantized` says how many.
 
-    The embedding and the tied LM head are left alone (see quantize_engine_ for the head). Every
-    weight is checked before any is swapped, so a bad scheme leaves the model as it was.
+    The embedding and the LM head are left alone (quantize_model does the head). Every weight is
+    checked before any is quantized: a bad scheme raises, naming the layer.
     """
     dtype = model.model.embed_tokens.weight.dtype
-    targets = [(parent, name, f"model.layers.{path}.{name}")
+    targets = {id(child): (child, f"model.layers.{path}.{name}")
                for path, parent in model.model.layers.named_modules()
-               for name, child in parent.named_children() if isinstance(child, (nn.Linear, PackedLinear))]
-    for parent, name, path in targets:
-        m = getattr(parent, name)
+               for name, child in parent.named_children() if isinstance(child, (nn.Linear, PackedLinear))}
+    for m, path in targets.values():
         check_shape(torch.empty(m.out_features, m.in_features, device="meta"), scheme, path)
-    for parent, name, path in targets:
-        weight, bias = dense_weight(getattr(parent, name))
-        setattr(parent, name, quantized_linear(quantize(weight, scheme, path), dtype, bias))
-    return len(targets)
+
+    def swap(m: nn.Module) -> nn.Module | None:
+        if id(m) not in targets:
+            return None
+        weight, bias = dense_weight(m)
+        return quantized_linear(quantize(weight, scheme, targets[id(m)][1]), dtype, bias)
+    return replace_modules(model, swap)
+
+
+class ModuleHeadLM(CausalLM):
+    """Lesson 04's model whose LM head is a module called on the hidden states (a quantized
+    linear), where lesson 04 multiplies by a weight matrix (its own or the tied embedding's)."""
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+
+def head_weight(model: nn.Module) -> Tensor:
+    """The LM head's weight: the tied embedding, or the model's own head (packed or not)."""
+    return model.model.embed_tokens.weight if model.lm_head is None else dense_weight(model.lm_head)[0]
+
+
+def with_head(model: CausalLM, head: nn.Module) -> ModuleHeadLM:
+    """A shallow copy of `model` (sharing every module) whose logits come from `head`; the tied
+    embedding stays what it is, the table the token ids are looked up in."""
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"with_head needs lesson 04's CausalLM, got {type(model).__name__}")
+    new = copy.copy(model)
+    new._modules = dict(model._modules)          # its own table of children: `model` keeps its head
+    new.__class__ = ModuleHeadLM
+    new.lm_head = head
+    return new
+
+
+def quantize_model(model: CausalLM, scheme: QuantScheme, head: QuantScheme | None = None) -> CausalLM:
+    """The model transform of this lesson: the decoder linears quantized with `scheme` and, with
+    `head`, the LM head too (a ModuleHeadLM). A new model; `model` is not changed. Apply it before
+    the model is handed to an engine, as lesson 14's packing."""
+    new = quantize_linears(model, scheme)
+    if head is not None:
+        dtype = model.model.embed_tokens.weight.dtype
+        new = with_head(new, quantized_linear(quantize(head_weight(model), head, "lm_head"), dtype))
+    return new
+
+
+def count_quantized(model: nn.Module) -> int:
+    return count_modules(model, Int8Linear) + count_modules(model, Int4Linear)
 
 
 def weight_bytes(module: nn.Module) -> int:

@@ -54,12 +54,10 @@ class Quality:
 
 
 @torch.inference_mode()
-def log_probs(model: nn.Module, ids: list[int], head: nn.Module | None = None) -> Tensor:
-    """float32 log-probabilities [T, vocab] after each prefix, one whole-sequence forward.
-    `head`: an LM head to use instead of the model's (a quantized one, see engine.py)."""
+def log_probs(model: nn.Module, ids: list[int]) -> Tensor:
+    """float32 log-probabilities [T, vocab] after each prefix, one whole-sequence forward."""
     hidden = model(torch.tensor(ids), torch.arange(len(ids)))
-    logits = head(hidden).float() if head is not None else model.compute_logits(hidden)
-    return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
 
 
 def score(logp: Tensor, ids: list[int], reference: Tensor | None = None) -> Quality:

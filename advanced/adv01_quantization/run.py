@@ -8,27 +8,25 @@
 2. quality: perplexity, top-1 agreement and KL against the unquantized model, and weight bytes;
 3. lesson 20's LLM on the Q4_1 blocks, beside the float copy;
 4. speed on the Qwen3-0.6B shape: bytes per decode step, where each kernel wins as rows grow,
-   and one decode step of lesson 16's engine at batch 1 and 64.
+   and one decode step of lesson 16's engine (eager) at batch 1 and 64.
 """
 from __future__ import annotations
-
-import copy
 
 import torch
 
 from advanced.adv01_quantization.bench import (build_variants, linear_slots, random_model, rows_sweep,
                                                time_decode, with_dequant_rows)
 from advanced.adv01_quantization.engine import q4_1_llm
-from advanced.adv01_quantization.gguf_q4_1 import embedded_gguf, gguf_dequantized, load_q4_1_, read_q4_1
-from advanced.adv01_quantization.linear import Int4Linear, quantize_, quantized_linear, weight_bytes
+from advanced.adv01_quantization.gguf_q4_1 import embedded_gguf, gguf_dequantized, load_q4_1, read_q4_1
+from advanced.adv01_quantization.linear import Int4Linear, quantize_model, weight_bytes
 from advanced.adv01_quantization.quality import TEXT, log_probs, score
-from advanced.adv01_quantization.quantize import W8A16, QuantScheme, quantize
+from advanced.adv01_quantization.quantize import W8A16, QuantScheme
 from minivllm_support.cli import base_parser, machine, setup
 from minivllm_support.models import embedded_smollm2, load_tokenizer, resolve_model
 from minivllm_support.timing import format_ratio
 from step04_transformer.config import ModelConfig
 from step04_transformer.loader import load_model
-from step16_cuda_graph.bench import weight_floor
+from step17_cpu_kernels.bench import weight_floor
 from step20_real_model.llm import LLM
 from step20_real_model.params import SamplingParams
 
@@ -79,20 +77,16 @@ def quality_section(folder, dtype: torch.dtype, embedded: bool) -> None:
     ref = log_probs(base, ids)
     rows = {"unquantized (reference)": (score(ref, ids), weight_bytes(base.model.layers), weight_bytes(base), 0)}
     for name, (scheme, head) in QUALITY.items():
-        model = copy.deepcopy(base)
         try:
-            quantize_(model, scheme)
+            model = quantize_model(base, scheme, head)        # a new model; `base` stays as it is
         except ValueError as e:
             rows[name] = str(e)
             continue
-        head_mod = None
-        if head is not None:
-            head_mod = quantized_linear(quantize(base.model.embed_tokens.weight, head, "lm_head"), dtype)
-        rows[name] = (score(log_probs(model, ids, head_mod), ids, ref), weight_bytes(model.model.layers),
-                      weight_bytes(model), 0 if head_mod is None else weight_bytes(head_mod))
+        head_bytes = 0 if head is None else weight_bytes(model.lm_head)
+        rows[name] = (score(log_probs(model, ids), ids, ref), weight_bytes(model.model.layers),
+                      weight_bytes(model) - head_bytes, head_bytes)
     if embedded:
-        model = copy.deepcopy(base)
-        load_q4_1_(model)
+        model, _ = load_q4_1(base)
         rows["Q4_1 blocks of the file"] = (score(log_probs(model, ids), ids, ref), weight_bytes(model.model.layers),
                                            weight_bytes(model), 0)
     print(f"== 2. quality: {len(ids) - 1} next tokens of the lesson's text, {_name(dtype)}, against the unquantized model")

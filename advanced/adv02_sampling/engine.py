@@ -1,4 +1,4 @@
-"""The lesson-19 engine and LLM with penalties, logit_bias and bad words.
+"""Lesson 20's engine and LLM with penalties, logit_bias and bad words.
 
     step(): schedule -> run_model(batch) ---------------> compute_logits(hidden)
                         | remember which sequences        | lesson 20 keeps the raw logits

@@ -1,4 +1,4 @@
-"""Lesson 16's engine (or any of lessons 13-16) with speculative decoding.
+"""Lesson 17's engine (or lesson 16's, or 15's) with speculative decoding.
 
 One engine step, with k draft tokens per decoding sequence:
 
@@ -16,6 +16,10 @@ One engine step, with k draft tokens per decoding sequence:
                    block past the kept tokens goes back to the pool (SpecBlockManager.truncate).
     5. stop        tokens are appended one by one, each checked against max_tokens, EOS and
                    stop tokens: nothing is kept past the first token that ends the request.
+
+The engine is lesson 15's `Engine` with the mixin in front (`SpecEngine`), given its parts by
+lesson 16's or 17's `build_engine`: `build_spec_engine` passes it the engine class, the block
+manager class and the mixin's two options.
 """
 from __future__ import annotations
 
@@ -23,11 +27,14 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from step09_continuous_batching.sequence import Sequence
+from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.block_manager import PrefixCachingBlockManager
-from step13_prefix_cache.engine import PrefixCachingEngine
-from step16_cuda_graph.engine import GraphEngine
+from step15_flash_attention.engine import Engine
+from step16_cuda_graph import engine as lesson16
+from step17_cpu_kernels import engine as lesson17
 
 from .proposers import Draft, NgramProposer, Proposer
 from .rejection import verify_batch
@@ -74,14 +81,25 @@ class SpecStats:
         return self.emitted / max(1, self.verifications)
 
 
+def check_num_speculative_tokens(k: int) -> None:
+    if k < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+
+
 class SpeculativeMixin:
-    """Put in front of a lesson 13-16 engine: `class E(SpeculativeMixin, SomeEngine)`."""
-    block_manager_class = SpecBlockManager
+    """Put in front of lesson 15's Engine: `class SpecEngine(SpeculativeMixin, Engine)`. It takes
+    the Engine's arguments, plus the proposer and k; its scheduler's block manager must be a
+    SpecBlockManager (build_spec_engine gives it one)."""
 
     def __init__(self, *args, proposer: Proposer | None = None, num_speculative_tokens: int = 4, **kwargs):
-        if num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        check_num_speculative_tokens(num_speculative_tokens)
         super().__init__(*args, **kwargs)
+        if not isinstance(self.scheduler.block_manager, SpecBlockManager):
+            raise TypeError(f"speculative decoding needs a SpecBlockManager (it rolls tables back), got "
+                            f"{type(self.scheduler.block_manager).__name__}: build the engine with build_spec_engine")
+        if getattr(self, "output_processor", None) is not None:
+            raise ValueError("speculative decoding emits several tokens a step: an output processor (lesson "
+                             "20's logprobs) reads one logits row per sequence, and is not combined with it")
         self.proposer = proposer if proposer is not None else NgramProposer()
         self.num_speculative_tokens = num_speculative_tokens
         self.spec = SpecStats()
@@ -132,10 +150,11 @@ class SpeculativeMixin:
                 m = 1 + len(drafts[seq].tokens) if seq in drafts else 1
                 rows.extend(range(off - m, off))
                 sampled.append(seq)
-        hidden = self.run_model(batch, torch.tensor(ids), torch.tensor(positions))
+        hidden = self.run_model(batch, torch.tensor(ids, device=self.device),
+                                torch.tensor(positions, device=self.device))
         results = []
         if sampled:
-            logits = self.compute_logits(hidden[torch.tensor(rows)])
+            logits = self.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             results = verify_batch(self.sampler, logits, sampled, [drafts.get(seq) for seq in sampled])
         self.spec.target_forwards += 1
         # 4. Bookkeeping and roll-back.
@@ -168,15 +187,24 @@ class SpeculativeMixin:
         for seq, reason in finished:
             s.finish(seq, reason)
         self.num_steps += 1
-        if hasattr(self, "generation_tokens"):       # lesson 14's counter (its step() is replaced)
-            self.generation_tokens += new_tokens
+        self.counters.generation_tokens += new_tokens   # Engine.step() counts them; this step replaces it
         return sampled
 
 
-class SpecEngine(SpeculativeMixin, PrefixCachingEngine):
-    """Lesson 13's engine (per-sequence paged attention) with speculative decoding."""
+class SpecEngine(SpeculativeMixin, Engine):
+    """Lesson 15's engine with speculative decoding. Whatever runner it is given: verification
+    steps (1 + k tokens a sequence) take the runner's prompt-step path, steps where no sequence
+    has a guess its recorded decode step (lessons 16-17)."""
 
 
-class SpecGraphEngine(SpeculativeMixin, GraphEngine):
-    """Lesson 16's engine with speculative decoding: verification steps (1 + k tokens per
-    sequence) take lesson 16's prompt-step path, plain decode steps the graph runner."""
+def build_spec_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, proposer: Proposer | None = None,
+                      num_speculative_tokens: int = 4, lesson: int = 17, **options) -> SpecEngine:
+    """Lesson 17's engine (lesson=16: lesson 16's) with speculative decoding. options: that
+    lesson's build_engine options (use_graph=False: eager steps; with lesson=16 also
+    pack_weights=False: the model's own linears, i.e. lesson 15's engine unpacked)."""
+    builders = {16: lesson16.build_engine, 17: lesson17.build_engine}
+    if lesson not in builders:
+        raise ValueError(f"lesson must be 16 or 17, got {lesson!r}")
+    check_num_speculative_tokens(num_speculative_tokens)      # before anything is recorded
+    return builders[lesson](model, config, engine_class=SpecEngine, block_manager_class=SpecBlockManager,
+                            proposer=proposer, num_speculative_tokens=num_speculative_tokens, **options)

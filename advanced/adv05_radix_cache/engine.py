@@ -1,4 +1,4 @@
-"""Lesson 13's scheduler and engines with the radix block manager plugged in.
+"""Lesson 13's scheduler and lesson 15's engine with the radix block manager plugged in.
 
 What changes against lesson 13:
   - admission is the same call (match_prefix), but the match may end inside a block;
@@ -8,24 +8,30 @@ What changes against lesson 13:
   - before each forward the engine makes the copy-on-write copies the block manager queued;
   - `fork(seq)` starts a second sequence on the same K/V (parallel sampling, a branch of a
     conversation), sharing every block until one of them writes into a shared one.
-The forward, the pool and the attention backends are untouched: any engine of lessons 13-16
-takes the mixin (RadixEngine on lesson 13's, RadixGraphEngine on lesson 16's).
+The forward, the pool and the attention backends are untouched. RadixEngine is lesson 15's
+Engine with the mixin; `build_radix_engine` has lesson 16's or 17's build_engine give it the
+radix scheduler and block manager as parts.
 """
 from __future__ import annotations
+
+from torch import nn
 
 from step06_sampler.params import SamplingParams
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step09_continuous_batching.sequence import Sequence, SequenceStatus
 from step12_paged_attention.kv_pool import KVPool
-from step13_prefix_cache.engine import PrefixCachingEngine, PrefixCachingScheduler
-from step16_cuda_graph.engine import GraphEngine
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step13_prefix_cache.engine import PrefixCachingScheduler
+from step15_flash_attention.engine import Engine
+from step16_cuda_graph import engine as lesson16
+from step17_cpu_kernels import engine as lesson17
 from advanced.adv05_radix_cache.block_manager import RadixBlockManager
 
 
 def copy_blocks(pool: KVPool, copies: list[tuple[int, int]]) -> None:
     """pool block dst := pool block src, for K and V of every layer, in the given order.
 
-    Every pool layout of lessons 12-16 puts the block first ([num_blocks, ...]), so one
+    Every pool layout of lessons 12-17 puts the block first ([num_blocks, ...]), so one
     indexed copy per layer moves a whole block. In order, not batched: a block freed by one
     copy's source may be the next copy's destination.
     """
@@ -63,9 +69,15 @@ class RadixScheduler(PrefixCachingScheduler):
 
 
 class RadixCacheMixin:
-    """Put in front of a lesson 13-16 engine: `class E(RadixCacheMixin, SomeEngine)`."""
-    scheduler_class = RadixScheduler
-    block_manager_class = RadixBlockManager
+    """Put in front of lesson 15's Engine: `class RadixEngine(RadixCacheMixin, Engine)`. Its
+    scheduler must be a RadixScheduler over a RadixBlockManager (build_radix_engine gives it both)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not (isinstance(self.scheduler, RadixScheduler) and isinstance(self.scheduler.block_manager, RadixBlockManager)):
+            raise TypeError(f"the radix cache needs a RadixScheduler over a RadixBlockManager, got "
+                            f"{type(self.scheduler).__name__} over {type(self.scheduler.block_manager).__name__}: "
+                            f"build the engine with build_radix_engine")
 
     def prepare_kv(self, batch: ScheduledBatch) -> None:
         super().prepare_kv(batch)
@@ -96,9 +108,16 @@ class RadixCacheMixin:
         return child
 
 
-class RadixEngine(RadixCacheMixin, PrefixCachingEngine):
-    """Lesson 13's engine (per-sequence paged attention) with the radix cache."""
+class RadixEngine(RadixCacheMixin, Engine):
+    """Lesson 15's engine with the radix cache; any runner (lessons 15-17)."""
 
 
-class RadixGraphEngine(RadixCacheMixin, GraphEngine):
-    """Lesson 16's engine (batched varlen attention, packed linears, graphs) with the radix cache."""
+def build_radix_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, lesson: int = 17,
+                       **options) -> RadixEngine:
+    """Lesson 17's engine (lesson=16: lesson 16's) with the radix cache. options: that lesson's
+    build_engine options (use_graph=False: eager steps; with lesson=16 also pack_weights=False)."""
+    builders = {16: lesson16.build_engine, 17: lesson17.build_engine}
+    if lesson not in builders:
+        raise ValueError(f"lesson must be 16 or 17, got {lesson!r}")
+    return builders[lesson](model, config, engine_class=RadixEngine, scheduler_class=RadixScheduler,
+                            block_manager_class=RadixBlockManager, **options)

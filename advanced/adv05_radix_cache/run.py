@@ -9,8 +9,8 @@ from minivllm_support.lesson import start_lesson
 from minivllm_support.timing import compare, format_ratio
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step16_cuda_graph.engine import GraphEngine
-from advanced.adv05_radix_cache.engine import RadixGraphEngine
+from step17_cpu_kernels.engine import build_engine, cpu_fast_path
+from advanced.adv05_radix_cache.engine import build_radix_engine
 
 CONVERSATIONS = [
     ["I want to bake bread at home. What do I need?", "How long should the dough rest?",
@@ -80,10 +80,10 @@ def few_shot_run(engine, prompts: list[list[int]]) -> list[list[int]]:
     return [s.output_token_ids for s in seqs]
 
 
-def variant(engine_class, model, config, workload):
+def variant(build, model, config, workload):
     """A fresh engine every run: each run starts from an empty cache."""
     def run() -> dict:
-        engine = engine_class(model, config, use_graph=False)
+        engine = build(model, config, use_graph=False)
         outputs = workload(engine)
         stats, bm = engine.stats(), engine.scheduler.block_manager
         return dict(outputs=outputs, queries=stats.prefix_cache_queries, hits=stats.prefix_cache_hits,
@@ -119,19 +119,20 @@ def main() -> None:
     dtype, folder, model, tok = start_lesson(args)
     config = PagedSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=args.block_size,
                                   kv_cache_bytes=256 * 2**20)
-    engines = {f"lesson 13 (blocks of {args.block_size})": GraphEngine, "radix tree (tokens)": RadixGraphEngine}
-    print(f"both engines: lesson 16's engine without graphs (use_graph=False), greedy; "
+    engines = {f"lesson 13 (blocks of {args.block_size})": build_engine, "radix tree (tokens)": build_radix_engine}
+    print(f"both engines: lesson 17's engine without graphs (use_graph=False), greedy; "
           f"only the block manager differs")
+    model = cpu_fast_path(model)        # once: a fresh engine per run then has nothing left to transform
 
-    chat = {name: variant(cls, model, config, lambda e: chat_run(e, tok, args.max_tokens))
-            for name, cls in engines.items()}
+    chat = {name: variant(build, model, config, lambda e: chat_run(e, tok, args.max_tokens))
+            for name, build in engines.items()}
     report(f"(a) multi-turn chat: {len(CONVERSATIONS)} conversations x {len(CONVERSATIONS[0])} turns, each "
            f"prompt = the conversation so far + a new message (max_tokens={args.max_tokens})",
            compare(chat, repeats=args.repeats), dtype)
 
     prompts = few_shot_prompts(tok)
-    shots = {name: variant(cls, model, config, lambda e: few_shot_run(e, prompts))
-             for name, cls in engines.items()}
+    shots = {name: variant(build, model, config, lambda e: few_shot_run(e, prompts))
+             for name, build in engines.items()}
     report(f"(b) few-shot: {len(prompts)} requests, 4 of {len(EXAMPLES)} shared examples in a random order "
            f"each, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, one arrival per step",
            compare(shots, repeats=args.repeats), dtype)
