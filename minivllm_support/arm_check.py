@@ -31,14 +31,14 @@ from minivllm_support import cpu
 CXX, QEMU, SYSROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", Path("/usr/aarch64-linux-gnu")
 INSTALL = "apt-get install g++-aarch64-linux-gnu qemu-user"
 ROOT = Path(__file__).resolve().parent.parent
-S14, S15, S16 = ROOT / "step14_batched_forward", ROOT / "step15_flash_attention", ROOT / "step16_cuda_graph"
+S14, S15, S17 = ROOT / "step14_batched_forward", ROOT / "step15_flash_attention", ROOT / "step17_cpu_kernels"
 # library -> (source, include folders), as each Python binding hands them to build_library
 LIBRARIES = {
     "paged_decode": (S14 / "paged_decode.cpp", ()),
     "flash_attention": (S15 / "flash_attention.cpp", (S14,)),
     "flash_decode": (ROOT / "advanced/adv04_flash_decoding/flash_decode.cpp", (S15, S14)),
-    "amx_prefill": (S16 / "amx_prefill.cpp", (S14,)),
-    "elementwise": (S16 / "elementwise.cpp", (S14,)),
+    "amx_prefill": (S17 / "amx_prefill.cpp", (S14,)),
+    "elementwise": (S17 / "elementwise.cpp", (S14,)),
     "peak": (S15 / "peak.cpp", (S14,)),            # a benchmark: only built, never run here
 }
 Result = tuple[bool, str]                        # (passed, what was measured)
@@ -117,13 +117,13 @@ def attention_cases() -> list[Case]:
     return cases
 
 
-def lesson16_cases() -> list[Case]:
+def lesson17_cases() -> list[Case]:
     from step03_attention.attention import apply_rope
     from step04_transformer.layers import RMSNorm, RotaryEmbedding
     cases = [Case("amx_prefill      stub: amx_prefill_available() = 0", "amx_prefill", "amx_prefill_available", [],
                   lambda o: (o["ret"] == 0, f"returned {o['ret']}"), ret="i64")]
     g = torch.Generator().manual_seed(0)
-    # elementwise.cpp against lesson 04's bf16 code, as tests/test_step16_kernels.py compares them
+    # elementwise.cpp against lesson 04's bf16 code, as tests/test_step17_cpu_kernels.py compares them
     T, nh, nkv, D, inner = 37, 4, 2, 64, 96
     qkv = torch.randn(T, (nh + 2 * nkv) * D, generator=g).bfloat16()
     q_norm, k_norm = RMSNorm(D, 1e-6).bfloat16(), RMSNorm(D, 1e-6).bfloat16()
@@ -228,7 +228,7 @@ def main() -> int:
         print(f"arm_check: missing {', '.join(missing)} (Debian/Ubuntu: {INSTALL})")
         return 2
     t0 = time.time()
-    cases = attention_cases() + lesson16_cases()       # inputs and references, on this machine
+    cases = attention_cases() + lesson17_cases()       # inputs and references, on this machine
     t1, results = time.time(), []
 
     def report(ok: bool, label: str, detail: str = "") -> None:

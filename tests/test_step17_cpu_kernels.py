@@ -1,7 +1,15 @@
-"""Lesson 16's bf16 fast paths, each against what it replaces: the attention op's prompt chunks
-(SDPA or AMX tiles), fused q|k|v and gate|up projections, elementwise.cpp's passes, the C
-argmax, and the embedded SmolLM2 through all of them against lesson 14's eager engine."""
+"""Lesson 17: the CPU fast path on top of lesson 16's runner. Each part against what it replaces:
+the attention op's prompt chunks (SDPA or AMX tiles), fused q|k|v and gate|up projections (bit
+for bit), the model transforms (new models; the given one untouched), elementwise.cpp's passes
+(its AVX-512 BF16 build or the portable one), the C argmax, the packed LM head, direct calls of
+what inductor built for every bucket, the dynamic compiled prompt step; and the engine built
+from them token for token against lessons 05 and 14, falling back to lesson 16's engine where
+it cannot compile."""
 from __future__ import annotations
+
+import gc
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,12 +19,24 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.engine import BatchedEngine
+from step14_batched_forward.packed_linear import PackedLinear, can_pack, count_modules, pack_linears
 from step15_flash_attention import flash_cpu
-from step16_cuda_graph import engine as engine_module
-from step16_cuda_graph.engine import GraphEngine
-from tests.test_step16_cuda_graph import _prompts
+from step16_cuda_graph import engine as lesson16_engine
+from step16_cuda_graph import runner as lesson16_runner
+from step16_cuda_graph.runner import GraphRunner
+from step17_cpu_kernels import engine as engine_module
+from step17_cpu_kernels.engine import KernelSampler, build_engine, cpu_fast_path
+from step17_cpu_kernels.fused import FusedQKVAttention, FusedSwiGLU, count_fused, fuse_projections
+from step17_cpu_kernels.ops import OpPackedLinear, route_packed_linears
+from step17_cpu_kernels.runner import CpuGraphRunner
+from tests.test_step16_cuda_graph import _config, _prompts, assert_unchanged, model_state
 
 needs_kernel = pytest.mark.skipif(flash_cpu.load() is None, reason="no C++ compiler for the kernel")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3_dir):
+    return load_model(tiny_qwen3_dir, torch.float32)
 
 
 @pytest.mark.skipif(flash_cpu.load() is None, reason="no C++ compiler: lesson 15's kernel is unavailable")
@@ -29,7 +49,7 @@ def test_bf16_prompt_chunks_match_the_kernel(monkeypatch, path, Hq, Hkv, D, bs, 
     """A bf16 step mixing fresh prompts, later chunks of prompts and decodes: the op (prompt
     chunks through SDPA or the AMX kernel, decodes through a sub-batch of lesson 15's kernel)
     gives lesson 15's kernel's result on the whole batch, to bf16 rounding; decodes exactly."""
-    from step16_cuda_graph import ops
+    from step17_cpu_kernels import ops
     if path == "amx" and ops.amx_library() is None:
         pytest.skip("no AMX tiles on this CPU (or no compiler)")
     if path == "sdpa":
@@ -66,41 +86,206 @@ def test_bf16_prompt_chunks_match_the_kernel(monkeypatch, path, Hq, Hkv, D, bs, 
             assert torch.equal(out[cu[b]], ref[cu[b]])
 
 
-def test_fused_projections_give_the_same_numbers(tiny_qwen3_dir):
-    """bf16, packed as lesson 14 packs: q|k|v and gate|up as one matmul each change no bit of the
-    forward pass; float32 (not packed) and a model fused already are left alone."""
-    from step14_batched_forward.packed_linear import can_pack, pack_linears
-    from step16_cuda_graph.fused import FusedQKVAttention, FusedSwiGLU, fuse_projections
-    if not can_pack(torch.bfloat16):
-        pytest.skip("no oneDNN bf16 packing on this CPU")
-    plain, fused = (load_model(tiny_qwen3_dir, torch.bfloat16) for _ in range(2))
-    pack_linears(plain), pack_linears(fused)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projections_give_the_same_numbers(tiny_qwen3_dir, dtype):
+    """Packed as lesson 14 packs: q|k|v and gate|up as one matmul each change no bit of the
+    forward pass; a model fused already has nothing left to fuse, and one whose linears are not
+    packed is left alone."""
+    if not can_pack(dtype):
+        pytest.skip(f"no oneDNN {dtype} packing on this CPU")
+    plain = pack_linears(load_model(tiny_qwen3_dir, dtype))
+    fused = fuse_projections(plain)
     layers = plain.config.num_layers
-    assert fuse_projections(fused) == 2 * layers and fuse_projections(fused) == 0
+    assert count_fused(fused) == 2 * layers and count_fused(plain) == 0
+    assert fuse_projections(fused) is fused                   # nothing left to replace: the same model
     assert all(type(layer.self_attn) is FusedQKVAttention and type(layer.mlp) is FusedSwiGLU
                for layer in fused.model.layers)
+    assert count_modules(fused, PackedLinear) == 4 * layers    # qkv, o, gate_up, down
     ids = torch.tensor(_prompts(plain, (37,))[0])
     with torch.inference_mode():
         assert torch.equal(plain(ids, torch.arange(37)), fused(ids, torch.arange(37)))
-    assert fuse_projections(load_model(tiny_qwen3_dir, torch.float32)) == 0
+    unpacked = load_model(tiny_qwen3_dir, dtype)
+    assert fuse_projections(unpacked) is unpacked and count_fused(unpacked) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transforms_return_new_models_and_leave_their_input_alone(tiny_qwen3_dir, dtype):
+    """pack_linears, fuse_projections, route_packed_linears and cpu_fast_path each return a new
+    model (sharing what they did not replace: the embedding, the norms) and leave the model they
+    were given as it was: the same modules, the same tensors, the same values."""
+    if not can_pack(dtype):
+        pytest.skip(f"no oneDNN {dtype} packing on this CPU: the transforms have nothing to do")
+    model = load_model(tiny_qwen3_dir, dtype)
+    before = model_state(model)
+    packed = pack_linears(model)
+    fused = fuse_projections(packed, kernels=True)
+    routed = route_packed_linears(fused)
+    fast = cpu_fast_path(model)
+    layers = model.config.num_layers
+    for new, old in ((packed, model), (fused, packed), (routed, fused), (fast, model)):
+        assert new is not old and new.model.embed_tokens.weight is model.model.embed_tokens.weight
+        assert new.model.norm is model.model.norm
+    assert_unchanged(model, before)
+    assert count_modules(model, PackedLinear) == 0 and count_fused(model) == 0
+    assert count_modules(packed, PackedLinear) == 7 * layers and count_fused(packed) == 0
+    assert count_fused(fused) == 2 * layers and count_modules(fused, OpPackedLinear) == 0
+    assert count_modules(routed, OpPackedLinear) == 4 * layers and count_modules(routed, PackedLinear) == 0
+    assert count_fused(fast) == 2 * layers and count_modules(fast, OpPackedLinear) == 4 * layers
+    ids = torch.tensor(_prompts(model, (21,))[0])
+    with torch.inference_mode():                 # eager, the routed linears call lesson 14's code: same bits
+        want = fused(ids, torch.arange(21))
+        assert torch.equal(routed(ids, torch.arange(21)), want) and torch.equal(fast(ids, torch.arange(21)), want)
+
+
+@needs_kernel
+def test_building_an_engine_leaves_the_model_as_it_was(tiny):
+    """The engine runs its own transformed copy (engine.model); the model handed to
+    build_engine keeps its modules, tensors and values, compiled or not."""
+    before = model_state(tiny)
+    for options in ({}, {"use_graph": False}):
+        engine = build_engine(tiny, _config(tiny, max_num_seqs=2), **options)
+        engine.generate(_prompts(tiny, (5, 9)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert engine.model is not tiny
+        assert_unchanged(tiny, before)
+
+
+@needs_kernel
+def test_engine_equals_naive_with_chunks_prefix_hits_and_eager_overflow(smol_fp32, engine_workload):
+    prompts, params, ref = engine_workload
+    bpb = KVPool.bytes_per_block(smol_fp32.config, 16, torch.float32)
+    engine = build_engine(smol_fp32, PagedSchedulerConfig(kv_cache_bytes=400 * bpb, max_num_seqs=6,
+                                                          max_num_batched_tokens=24), max_bucket=4)
+    runner = engine.runner
+    assert type(runner) is CpuGraphRunner and runner.buckets == [1, 2, 4]
+    assert set(runner.direct) == {1, 2, 4}      # every bucket's body called without Dynamo
+    assert isinstance(engine.sampler, KernelSampler)
+    assert (runner.lm_head is not None) == can_pack(torch.float32)
+    assert [s.output_token_ids for s in engine.generate(prompts, params)] == ref       # chunked prefill
+    assert [s.output_token_ids for s in engine.generate(prompts, params)] == ref       # prefix-cache hits
+    used = {b for b, n in runner.replays.items() if n}
+    assert len(used) >= 2, f"decode steps should hit several buckets, got {runner.replays}"
+    assert sum(runner.replays.values()) < engine.num_steps   # 5-6 decodes > bucket 4: not a bucket
+    assert runner.mixed is not None and runner.mixed.steps > 0   # prompt steps: the dynamic compiled body
+    assert engine.stats().kv_blocks_used == 0                 # the scratch block is outside the block manager
+
+
+@needs_kernel
+def test_compiled_prompt_steps_equal_eager_ones(tiny):
+    """Chunks of many lengths (the token count is dynamic): same tokens as prompt steps run eagerly,
+    and as lesson 14."""
+    prompts = _prompts(tiny, (3, 40, 17, 64, 9, 33))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eager = build_engine(tiny, _config(tiny), compile_mixed=False)
+    ref = [s.output_token_ids for s in eager.generate(prompts, sp)]
+    assert ref == [s.output_token_ids for s in BatchedEngine(tiny, _config(tiny), pack_weights=False)
+                   .generate(prompts, sp)]
+    engine = build_engine(tiny, _config(tiny))
+    assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+    assert eager.runner.mixed is None and engine.runner.mixed.steps > 1
+    bad = SimpleNamespace(rows=torch.zeros(2, dtype=torch.long), cu_seqlens_q=torch.tensor([0, 1]),
+                          seq_lens=torch.tensor([1]), block_tables=torch.tensor([[engine.kv_pool.num_blocks + 3]]))
+    with pytest.raises(ValueError, match="outside the pool"):   # checked once a step, before any layer
+        engine.runner.mixed.forward(torch.tensor([5]), torch.tensor([0]), bad)
+
+
+@needs_kernel
+def test_equals_lesson14_under_preemption(tiny):
+    prompts = _prompts(tiny, (3, 40, 17, 64, 9))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    config = _config(tiny, blocks=30)
+    ref = [s.output_token_ids for s in BatchedEngine(tiny, config, pack_weights=False).generate(prompts, sp)]
+    engine = build_engine(tiny, config)
+    assert type(engine.runner) is CpuGraphRunner
+    assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+    assert engine.scheduler.num_preemptions > 0 and sum(engine.runner.replays.values()) > 0
+
+
+@needs_kernel
+def test_direct_calls_give_what_dynamo_gives(tiny):
+    """A bucket's compiled body called directly (its inputs found once, by identity, in each
+    layer) returns exactly what the same body returns through Dynamo, for every layer."""
+    engine = build_engine(tiny, _config(tiny, max_num_seqs=2))
+    runner = engine.runner
+    assert set(runner.direct) == set(runner.buckets) == {1, 2}
+    engine.generate(_prompts(tiny, (5, 9)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert runner.replays[1] + runner.replays[2] > 0
+    with torch.inference_mode():
+        for b in (1, 2):
+            direct = runner.decode(b)
+            calls, runner.direct = runner.direct, {}
+            via_dynamo = runner.decode(b)
+            runner.direct = calls
+            assert torch.equal(direct, via_dynamo)
+    without = build_engine(tiny, _config(tiny, max_num_seqs=2), direct_calls=False)
+    assert without.runner.direct == {} and without.runner.ready == {1, 2}
+
+
+@needs_kernel
+def test_a_dropped_engine_is_freed(tiny):
+    """Dynamo keeps every compile backend it is given in a global table; the runner's backend
+    must not hold the runner (its KV pool would never be freed: found 2026-12-04)."""
+    engine = build_engine(tiny, _config(tiny, max_num_seqs=2))
+    assert engine.runner.direct
+    runner, pool = weakref.ref(engine.runner), weakref.ref(engine.kv_pool)
+    del engine
+    gc.collect()
+    assert runner() is None and pool() is None
+
+
+@needs_kernel
+def test_packed_head_gives_the_models_logits_in_one_buffer(tiny):
+    """The LM head: a packed copy of the (tied) embedding where oneDNN packs this dtype, logits
+    to float rounding of lesson 04's head, written into one float32 buffer step after step."""
+    if not can_pack(torch.float32):
+        pytest.skip("no oneDNN float32 packing on this CPU")
+    engine = build_engine(tiny, _config(tiny, max_num_seqs=2), record_now=False)
+    runner = engine.runner
+    assert isinstance(runner.lm_head, PackedLinear)
+    g = torch.Generator().manual_seed(0)
+    h1, h2 = (torch.randn(n, tiny.config.hidden_size, generator=g) for n in (2, 1))
+    with torch.inference_mode():
+        want1, want2 = tiny.compute_logits(h1), tiny.compute_logits(h2)
+        got1 = runner.compute_logits(h1)
+        torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
+        ptr = got1.data_ptr()
+        got2 = runner.compute_logits(h2)
+    assert got2.dtype == torch.float32 and got2.shape == want2.shape and got2.data_ptr() == ptr
+    torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_falls_back_to_lesson16_where_it_cannot_compile(monkeypatch, tiny):
+    """Another attention backend, or no working torch.compile: lesson 16's engine (its runner,
+    eager buckets), with the same tokens as lesson 14."""
+    prompts = _prompts(tiny, (6, 13))
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = [s.output_token_ids for s in BatchedEngine(tiny, _config(tiny), pack_weights=False).generate(prompts, sp)]
+    other = build_engine(tiny, _config(tiny), attention_backend="torch")
+    assert type(other.runner) is GraphRunner and other.runner.mode == "eager" and other.attention.name == "torch"
+    assert [s.output_token_ids for s in other.generate(prompts, sp)] == ref
+    for module in (engine_module, lesson16_engine, lesson16_runner):
+        monkeypatch.setattr(module, "compile_works", lambda: False)
+    engine = build_engine(tiny, _config(tiny))
+    assert type(engine.runner) is GraphRunner and engine.runner.mode == "eager"
+    assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+    assert sum(engine.runner.replays.values()) > 0
 
 
 @needs_kernel
 def test_bf16_engine_fuses_and_gives_the_tokens_of_the_unfused_one(monkeypatch, tiny_qwen3_dir):
-    from step14_batched_forward.packed_linear import can_pack
     if not can_pack(torch.bfloat16):
         pytest.skip("no oneDNN bf16 packing on this CPU")
     model = load_model(tiny_qwen3_dir, torch.bfloat16)
     prompts = _prompts(model, (3, 40, 17, 9))
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    cfg = PagedSchedulerConfig(block_size=4, kv_cache_bytes=60 * KVPool.bytes_per_block(model.config, 4, torch.bfloat16),
-                               max_num_seqs=4, max_num_batched_tokens=16)
+    bpb = KVPool.bytes_per_block(model.config, 4, torch.bfloat16)
+    cfg = PagedSchedulerConfig(block_size=4, kv_cache_bytes=60 * bpb, max_num_seqs=4, max_num_batched_tokens=16)
     with monkeypatch.context() as m:
-        m.setattr(engine_module, "fuse_projections", lambda model, kernels=False: 0)
-        unfused = GraphEngine(load_model(tiny_qwen3_dir, torch.bfloat16), cfg)
+        m.setattr(engine_module, "fuse_projections", lambda model, kernels=False: model)
+        unfused = build_engine(model, cfg)
         ref = [s.output_token_ids for s in unfused.generate(prompts, sp)]
-    engine = GraphEngine(model, cfg)
-    assert unfused.num_fused == 0 and engine.num_fused == 2 * model.config.num_layers
+    engine = build_engine(model, cfg)
+    assert count_fused(unfused.model) == 0 and count_fused(engine.model) == 2 * model.config.num_layers
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
 
 
@@ -110,7 +295,7 @@ def test_elementwise_kernels_round_as_lesson04_does():
     order (so at most one bf16 step apart, and almost all equal)."""
     from step03_attention.attention import apply_rope
     from step04_transformer.layers import RMSNorm, RotaryEmbedding
-    from step16_cuda_graph import ops
+    from step17_cpu_kernels import ops
     if ops.elementwise_library() is None:
         pytest.skip("elementwise.cpp could not be built (no compiler, or MINIVLLM_KERNEL=0)")
     g = torch.Generator().manual_seed(0)
@@ -144,7 +329,7 @@ def test_bf16_smollm2_through_the_fast_paths_says_what_eager_says(smol_dir, smol
     elementwise.cpp and the AMX prompt kernel where this CPU has them, prompts split in chunks.
     bf16 paths round differently, so only text the model is sure of is compared with lesson 14's
     eager bf16 engine."""
-    from step16_cuda_graph import ops
+    from step17_cpu_kernels import ops
     prompts = [smol_tokenizer.encode(t) for t in ("The capital of France is",
                                                   "One, two, three, four, five, six, seven, eight,")]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -152,15 +337,15 @@ def test_bf16_smollm2_through_the_fast_paths_says_what_eager_says(smol_dir, smol
     def config(model):
         return PagedSchedulerConfig(kv_cache_bytes=64 * KVPool.bytes_per_block(model.config, 16, torch.bfloat16),
                                     max_num_seqs=2, max_num_batched_tokens=8)
-    eager = load_model(smol_dir, torch.bfloat16)
-    want = [s.output_token_ids for s in BatchedEngine(eager, config(eager)).generate(prompts, sp)]
     model = load_model(smol_dir, torch.bfloat16)
-    engine = GraphEngine(model, config(model))
-    if engine.runner is None:
+    want = [s.output_token_ids for s in BatchedEngine(model, config(model)).generate(prompts, sp)]
+    engine = build_engine(model, config(model))
+    if type(engine.runner) is not CpuGraphRunner:
         pytest.skip("torch.compile does not work here")
-    assert engine.num_fused == (2 * model.config.num_layers if engine.num_packed else 0)
-    kernels = ops.elementwise_library() is not None and engine.num_fused > 0
-    assert all(getattr(layer.mlp, "kernels", False) == kernels for layer in model.model.layers)
+    packs = can_pack(torch.bfloat16)
+    assert count_fused(engine.model) == (2 * model.config.num_layers if packs else 0)
+    kernels = ops.elementwise_library() is not None and packs
+    assert all(getattr(layer.mlp, "kernels", False) == kernels for layer in engine.model.model.layers)
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == want
 
 
@@ -168,8 +353,8 @@ def test_row_argmax_picks_what_torch_picks():
     """ops.row_argmax (one C pass, AVX-512 where the CPU has it): the first of equal maxima, the
     first NaN of a row that has one, all -inf rows, row lengths around the 16-lane width,
     strided rows; and the engine's sampler uses it."""
-    from step16_cuda_graph import ops
-    from step16_cuda_graph.engine import KernelSampler
+    from step17_cpu_kernels import ops
+    from step17_cpu_kernels.engine import KernelSampler
     g = torch.Generator().manual_seed(0)
     for B, V in [(1, 7), (3, 31), (2, 32), (5, 33), (4, 1000), (2, 5003)]:
         cases = [torch.randn(B, V, generator=g), torch.randint(0, 3, (B, V), generator=g).float(),
