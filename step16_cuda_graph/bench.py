@@ -1,6 +1,6 @@
 """Lesson 16 on a GPU: the engines' tokens on CUDA, then decode-step latency eager vs CUDA graph.
 
-    python step16_cuda_graph/bench_gpu.py [--batches 1 8 64] [--context 360]
+    python step16_cuda_graph/bench.py [--batches 1 8 64] [--context 360]
 
 1. tokens: the tiny random Qwen3 in float32, a few requests with chunked prompts, greedy:
    lesson 15's engine on the CPU (torch backend) against lesson 15's eager engine on CUDA
@@ -27,7 +27,7 @@ from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step14_batched_forward.bench import random_qwen3_06b
+from minivllm_support.workloads import random_qwen3_06b
 from step15_flash_attention import engine as lesson15
 from step16_cuda_graph.engine import build_engine
 from step17_cpu_kernels.bench import alternate, fill, make_engine
