@@ -25,7 +25,7 @@ class PerSequenceAttention:
     """Backend for a batch of sequences laid end to end: split, attend each over its cache, join."""
 
     def __init__(self, batch: ScheduledBatch):
-        self.segments = [(s.kv, s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+        self.segments = [(s.kv_cache, s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_tokens)]
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         outs, off = [], 0
@@ -119,9 +119,9 @@ class LLMEngine:
     # ---- where K/V live: the part lesson 12 replaces ---------------------------------------
     def prepare_kv(self, batch: ScheduledBatch) -> None:
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.kv is None:
-                seq.kv = KVCache(self.model.config, seq.num_prompt_tokens + seq.params.max_tokens, self.dtype)
-            seq.kv.reserve(seq.num_computed_tokens + n)
+            if seq.kv_cache is None:
+                seq.kv_cache = KVCache(self.model.config, seq.num_prompt_tokens + seq.params.max_tokens, self.dtype)
+            seq.kv_cache.reserve(seq.num_computed_tokens + n)
 
     def make_attention(self, batch: ScheduledBatch):
         return PerSequenceAttention(batch)

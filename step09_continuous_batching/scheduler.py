@@ -84,5 +84,5 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        seq.kv = None                         # its KV memory is free the moment it ends
+        seq.kv_cache = None                         # its KV memory is free the moment it ends
         self.running.remove(seq)

@@ -33,7 +33,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     token_times: list[float] = field(default_factory=list)  # when each output token appeared
-    kv: Any = None                        # where this sequence's K/V live (the engine decides)
+    kv_cache: Any = None                  # lessons 09-11: its own contiguous KV cache (lesson 07)
+    block_table: list[int] | None = None  # lesson 12 on: the ids of its blocks in the paged KV pool
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:

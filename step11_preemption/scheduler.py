@@ -58,7 +58,7 @@ class PreemptingScheduler(ChunkedPrefillScheduler):
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        seq.status, seq.kv, seq.num_computed_tokens = SequenceStatus.WAITING, None, 0
+        seq.status, seq.kv_cache, seq.num_computed_tokens = SequenceStatus.WAITING, None, 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -6,7 +6,7 @@
     free: b2, b5, b7, ...
 A sequence takes a new block only when its last one is full, so no memory is reserved for
 tokens that may never be generated; a finished or preempted sequence returns its blocks at once.
-The block table is stored in `seq.kv` (a list of block ids), the slot of a token at position p
+The block table is stored in `seq.block_table` (a list of block ids), the slot of a token at position p
 is block_table[p // block_size] * block_size + p % block_size.
 """
 from __future__ import annotations
@@ -44,9 +44,9 @@ class BlockManager:
 
     @staticmethod
     def table(seq: Sequence) -> list[int]:
-        if seq.kv is None:
-            seq.kv = []
-        return seq.kv
+        if seq.block_table is None:
+            seq.block_table = []
+        return seq.block_table
 
     def room(self, seq: Sequence) -> int:
         """Tokens `seq` can still add: the unused tail of its last block plus every free block."""
@@ -69,10 +69,10 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; a block nobody references goes back to the free list."""
-        for block_id in reversed(seq.kv or []):
+        for block_id in reversed(seq.block_table or []):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_block_ids.append(block_id)
-        seq.kv = None
+        seq.block_table = None

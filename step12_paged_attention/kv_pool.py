@@ -64,8 +64,8 @@ class PagedAttention:
         slots, self.segments = [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
-            slots += slot_mapping(seq.kv, start, start + n, pool.block_size)
-            self.segments.append((torch.tensor(seq.kv), start, n))
+            slots += slot_mapping(seq.block_table, start, start + n, pool.block_size)
+            self.segments.append((torch.tensor(seq.block_table), start, n))
         self.slot_mapping = torch.tensor(slots, dtype=torch.long)
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

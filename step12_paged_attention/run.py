@@ -52,8 +52,8 @@ def run_paged(model, config: PagedSchedulerConfig, prompts, params) -> dict:
         max_running = max(max_running, len(running))
         block_steps += used
         run_steps += len(running)
-        if watch.kv:
-            snapshot = (list(watch.kv), watch.num_computed_tokens)
+        if watch.block_table:
+            snapshot = (list(watch.block_table), watch.num_computed_tokens)
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     return dict(seqs=seqs, steps=engine.num_steps, preemptions=engine.scheduler.num_preemptions,
                 peak_blocks=peak_blocks, peak_tokens=peak_tokens, max_running=max_running,
@@ -67,7 +67,7 @@ def run_contiguous(model, config: PreemptionSchedulerConfig, prompts, params) ->
     peak = token_steps = run_steps = 0
     while ref.has_unfinished():
         ref.step()
-        reserved = sum(s.kv.capacity for s in ref.scheduler.running if s.kv is not None)
+        reserved = sum(s.kv_cache.capacity for s in ref.scheduler.running if s.kv_cache is not None)
         peak = max(peak, reserved)
         token_steps += reserved
         run_steps += len(ref.scheduler.running)

@@ -49,7 +49,7 @@ class PrefixCachingBlockManager(BlockManager):
 
         At least the last token is always left to compute: its logits are what we sample from.
         """
-        assert not seq.kv and seq.num_computed_tokens == 0
+        assert not seq.block_table and seq.num_computed_tokens == 0
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs
         table, hashes, prev = self.table(seq), [], None
@@ -77,7 +77,7 @@ class PrefixCachingBlockManager(BlockManager):
         """After a step: name every block that is now full of computed tokens."""
         bs = self.block_size
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
-        table = seq.kv or []
+        table = seq.block_table or []
         prev = hashes[-1] if hashes else None
         for i in range(len(hashes), min(seq.num_computed_tokens // bs, len(table))):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -92,13 +92,13 @@ class PrefixCachingBlockManager(BlockManager):
             # this copy stays private and simply returns to the pool when freed.
 
     def free(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.kv or []):             # tail first: evicted before the head
+        for block_id in reversed(seq.block_table or []):             # tail first: evicted before the head
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
-        seq.kv = None
+        seq.block_table = None
         self.seq_hashes.pop(seq.seq_id, None)
 
     @property

@@ -13,13 +13,13 @@ class PrefixCachingScheduler(PagedScheduler):
 
     def admit(self, seq: Sequence) -> None:
         super().admit(seq)
-        if not seq.kv:                    # fresh, or recomputing after a preemption
+        if not seq.block_table:                    # fresh, or recomputing after a preemption
             self.block_manager.match_prefix(seq)
 
     def after_step(self, batch: ScheduledBatch) -> None:
         # Only now are these blocks' K/V really written, so only now may others reuse them.
         for seq in batch.seqs:
-            if seq.kv is not None:
+            if seq.block_table is not None:
                 self.block_manager.cache_full_blocks(seq)
 
 

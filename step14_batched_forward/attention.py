@@ -41,7 +41,7 @@ class Group:
 def _build_group(seqs, ns, offsets, block_size: int) -> Group:
     B = len(seqs)
     qmax = max(ns)
-    max_blocks = max(len(s.kv) for s in seqs)
+    max_blocks = max(len(s.block_table) for s in seqs)
     L = max_blocks * block_size
     rows = torch.zeros(B, qmax, dtype=torch.long)
     valid = torch.zeros(B, qmax, dtype=torch.bool)
@@ -50,7 +50,7 @@ def _build_group(seqs, ns, offsets, block_size: int) -> Group:
     for i, (s, n, off) in enumerate(zip(seqs, ns, offsets)):
         rows[i, :n] = torch.arange(off, off + n)
         valid[i, :n] = True
-        tables[i, :len(s.kv)] = torch.tensor(s.kv)
+        tables[i, :len(s.block_table)] = torch.tensor(s.block_table)
     key_pos = torch.arange(L)
     q_pos = starts[:, None] + torch.arange(qmax)[None, :]                       # [B, Qmax]
     mask = key_pos[None, None, :] <= q_pos[:, :, None]                          # causal, and
@@ -97,7 +97,7 @@ class VarlenPagedAttention:
         bs = pool.block_size
         slots, offsets, off = [], [], 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            table, start = seq.kv, seq.num_computed_tokens
+            table, start = seq.block_table, seq.num_computed_tokens
             pos = torch.arange(start, start + n)
             slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
             offsets.append(off)

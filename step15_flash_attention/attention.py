@@ -32,9 +32,9 @@ class FlashPagedAttention:
         self.seq_lens = starts + q_lens
         self.cu_seqlens_q = torch.zeros(B + 1, dtype=torch.long)
         torch.cumsum(q_lens, 0, out=self.cu_seqlens_q[1:])
-        self.block_tables = torch.zeros(B, max(len(s.kv) for s in batch.seqs), dtype=torch.long)
+        self.block_tables = torch.zeros(B, max(len(s.block_table) for s in batch.seqs), dtype=torch.long)
         for i, s in enumerate(batch.seqs):
-            self.block_tables[i, :len(s.kv)] = torch.tensor(s.kv)
+            self.block_tables[i, :len(s.block_table)] = torch.tensor(s.block_table)
         # Slot of every new token: its position's block in its own table, then the offset in it.
         seq_of_row = torch.repeat_interleave(torch.arange(B), q_lens)
         pos = starts[seq_of_row] + torch.arange(int(q_lens.sum())) - self.cu_seqlens_q[seq_of_row]

@@ -156,9 +156,9 @@ class GraphRunner(ModelRunner):
         s.input_ids[:b].copy_(host([seq.token_ids[p] for seq, p in zip(batch.seqs, pos)] + [0] * pad))
         s.positions[:b].copy_(host(pos + [0] * pad))
         s.seq_lens[:b].copy_(host([p + 1 for p in pos] + [1] * pad))
-        slots = [seq.kv[p // bs] * bs + p % bs for seq, p in zip(batch.seqs, pos)]
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(batch.seqs, pos)]
         self.set_slots(host(slots + [self.scratch_block * bs] * pad), b)
-        tables = [seq.kv[:p // bs + 1] for seq, p in zip(batch.seqs, pos)]
+        tables = [seq.block_table[:p // bs + 1] for seq, p in zip(batch.seqs, pos)]
         width = max(map(len, tables))            # columns past a sequence's length are never read
         s.block_tables[:len(tables), :width].copy_(host([t + [0] * (width - len(t)) for t in tables]))
         s.block_tables[len(tables):b, 0] = self.scratch_block

@@ -60,7 +60,7 @@ def abort(engine, seq: Sequence) -> None:
     scheduler = engine.scheduler
     if seq in scheduler.waiting:
         scheduler.waiting.remove(seq)
-        seq.status, seq.finish_reason, seq.kv = SequenceStatus.FINISHED, "abort", None
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"     # waiting: it holds no KV
     else:
         scheduler.finish(seq, "abort")
 

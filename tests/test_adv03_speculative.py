@@ -72,13 +72,13 @@ def check_pool(engine) -> None:
     rejected drafts' blocks went back), reference counts equal the tables, nothing leaks."""
     bm = engine.scheduler.block_manager
     running = engine.scheduler.running
-    refs = Counter(b for s in running for b in s.kv or [])
+    refs = Counter(b for s in running for b in s.block_table or [])
     assert [b.ref_count for b in bm.blocks] == [refs[i] for i in range(bm.num_blocks)]
     free = list(bm.free_block_ids)
     assert len(set(free)) == len(free) and not set(free) & set(refs)
     assert len(free) + len(refs) == bm.num_blocks
     for s in running:
-        assert len(s.kv or []) == bm.blocks_for(s.num_computed_tokens), (s.seq_id, len(s.kv), s.num_computed_tokens)
+        assert len(s.block_table or []) == bm.blocks_for(s.num_computed_tokens), (s.seq_id, len(s.block_table), s.num_computed_tokens)
         assert -1 not in s.token_ids                                       # no placeholder left behind
         assert s.num_computed_tokens < s.num_tokens                         # the last token: fed next step
 

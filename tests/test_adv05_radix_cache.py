@@ -47,7 +47,7 @@ class Pool:
     def write(self, seq: Sequence, start: int, end: int) -> None:   # what the forward does
         names = prefix_names(seq.token_ids[:end])
         for p in range(start, end):
-            self.slots[seq.kv[p // self.bs]][p % self.bs] = names[p]
+            self.slots[seq.block_table[p // self.bs]][p % self.bs] = names[p]
 
     def holds(self, table: list[int], tokens: list[int]) -> bool:
         names = prefix_names(tokens)
@@ -55,7 +55,7 @@ class Pool:
 
 
 def check(bm: RadixBlockManager, pool: Pool, running: list[Sequence]) -> None:
-    refs = Counter(b for s in running for b in s.kv or [])
+    refs = Counter(b for s in running for b in s.block_table or [])
     assert [b.ref_count for b in bm.blocks] == [refs[i] for i in range(bm.num_blocks)]    # exact
     nodes = bm.tree.nodes()
     assert Counter(b for n in nodes for b in n.blocks) == Counter(bm.tree.refs)
@@ -67,7 +67,7 @@ def check(bm: RadixBlockManager, pool: Pool, running: list[Sequence]) -> None:
     assert bm.evictable == cached
     assert len(free) + len(referenced) + len(cached) == bm.num_blocks   # no leaks
     for s in running:                                  # nobody overwrote a running sequence's K/V
-        assert pool.holds(s.kv, s.token_ids[:s.num_computed_tokens])
+        assert pool.holds(s.block_table, s.token_ids[:s.num_computed_tokens])
     bs = bm.block_size
     for n in nodes:                                    # every node's blocks hold its whole path
         assert n.start == n.parent.end and n.parent.children[n.tokens[0]] is n
@@ -104,7 +104,7 @@ def run_ops(data, n_ops: int) -> int:
         nonlocal hits
         got = bm.match_prefix(seq)
         hits += got
-        matched.append((seq, list(seq.kv), got))
+        matched.append((seq, list(seq.block_table), got))
         if bm.room(seq) >= seq.num_uncomputed_tokens:
             bm.allocate(seq, seq.num_tokens)
             running.append(seq)
@@ -202,11 +202,11 @@ def test_match_is_token_granular_and_copies_before_writing():
     bm = RadixBlockManager(num_blocks=8, block_size=4)
     a = _computed(bm, [1, 2, 3, 4, 5, 6, 7])
     b = Sequence([1, 2, 3, 4, 5, 6, 9, 9], SamplingParams())
-    assert bm.match_prefix(b) == 6 and b.kv == a.kv       # lesson 13 would stop at 4
+    assert bm.match_prefix(b) == 6 and b.block_table == a.block_table       # lesson 13 would stop at 4
     assert bm.needs_copy(b)                               # a's token 7 sits where b writes 9
     bm.allocate(b, 8)
-    assert bm.take_copies() == [(a.kv[1], b.kv[1])] and b.kv[0] == a.kv[0] != b.kv[1]
-    assert bm.blocks[a.kv[1]].ref_count == 1
+    assert bm.take_copies() == [(a.block_table[1], b.block_table[1])] and b.block_table[0] == a.block_table[0] != b.block_table[1]
+    assert bm.blocks[a.block_table[1]].ref_count == 1
 
 
 def test_fork_shares_every_block_and_the_first_writer_copies():
@@ -214,12 +214,12 @@ def test_fork_shares_every_block_and_the_first_writer_copies():
     parent = _computed(bm, [1, 2, 3, 4, 5, 6])
     child = Sequence(parent.prompt_token_ids, parent.params)
     bm.fork(parent, child)
-    assert child.kv == parent.kv and all(bm.blocks[b].ref_count == 2 for b in parent.kv)
+    assert child.block_table == parent.block_table and all(bm.blocks[b].ref_count == 2 for b in parent.block_table)
     child.token_ids.append(8)
     bm.allocate(child, 7)                                 # shared partial block: copy first
     parent.token_ids.append(7)
     bm.allocate(parent, 7)                                # now its own again: in place
-    assert len(bm.take_copies()) == 1 and parent.kv[1] != child.kv[1] and parent.kv[0] == child.kv[0]
+    assert len(bm.take_copies()) == 1 and parent.block_table[1] != child.block_table[1] and parent.block_table[0] == child.block_table[0]
     with pytest.raises(ValueError, match="parent"):
         bm.fork(Sequence([1], SamplingParams()), Sequence([1], SamplingParams()))
 
@@ -237,7 +237,7 @@ def test_lru_leaf_is_evicted_first_and_referenced_blocks_never():
     assert bm.match_prefix(held) == 3
     assert bm.evict(4) == 0                              # nothing cached is left to give
     assert bm.tree.match_prefix([1, 1, 1]).num_tokens == 3 and bm.num_evicted_blocks == 2
-    assert all(bm.blocks[b].ref_count == 1 for b in held.kv) and not set(held.kv) & set(bm.free_block_ids)
+    assert all(bm.blocks[b].ref_count == 1 for b in held.block_table) and not set(held.block_table) & set(bm.free_block_ids)
     with pytest.raises(ValueError, match="block_ids"):
         RadixTree(4).insert([1, 2, 3, 4, 5], [0])
 

@@ -12,7 +12,7 @@ def test_engine_equals_naive(smol_fp32, engine_workload):
     engine = LLMEngine(smol_fp32, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=120))
     seqs = engine.generate(prompts, params)
     assert [s.output_token_ids for s in seqs] == ref
-    assert all(s.is_finished and s.kv is None for s in seqs)
+    assert all(s.is_finished and s.kv_cache is None for s in seqs)
 
 
 def test_seeded_request_same_alone_or_batched(smol_fp32, engine_workload):

@@ -70,7 +70,7 @@ def test_pool_from_budget():
 def check_invariants(bm: BlockManager, holders: list[Sequence]) -> None:
     refs = [0] * bm.num_blocks
     for s in holders:
-        for b in s.kv or []:
+        for b in s.block_table or []:
             refs[b] += 1
     assert [b.ref_count for b in bm.blocks] == refs                      # ref counts = holders
     free = list(bm.free_block_ids)

@@ -100,7 +100,7 @@ def test_freed_blocks_are_reused_then_evicted_lru():
     bm.cache_full_blocks(a)
     bm.free(a)                                            # 2 full blocks stay cached while free
     b = Sequence([1, 2, 3, 4, 9], SamplingParams())
-    assert bm.match_prefix(b) == 4 and b.kv == a_blocks(bm, [1, 2, 3, 4])
+    assert bm.match_prefix(b) == 4 and b.block_table == a_blocks(bm, [1, 2, 3, 4])
     bm.free(b)
     c = Sequence([7, 7, 7, 7, 7, 7, 7, 7], SamplingParams())   # needs all 4 blocks: evicts the cache
     bm.match_prefix(c)

@@ -47,7 +47,7 @@ def test_varlen_backend_equals_per_sequence_backend(tiny_qwen3_dir, chunks, use_
     for i, n in enumerate(chunks):
         seq = Sequence([1] * (3 * i + n + 2), SamplingParams())
         seq.num_computed_tokens = seq.num_tokens - n          # earlier tokens already cached
-        seq.kv = [free.pop(int(torch.randint(len(free), (1,), generator=g))) for _ in range(-(-seq.num_tokens // 4))]
+        seq.block_table = [free.pop(int(torch.randint(len(free), (1,), generator=g))) for _ in range(-(-seq.num_tokens // 4))]
         batch.add(seq, n)
     all_slots = torch.arange(32 * 4)
     for layer in range(cfg.num_layers):           # the same random K/V in every slot of both layouts
@@ -63,7 +63,7 @@ def test_varlen_backend_equals_per_sequence_backend(tiny_qwen3_dir, chunks, use_
     out = VarlenPagedAttention(pools[1], batch, use_kernel=use_kernel)(1, q, k, v)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for seq in batch.seqs:                          # the same slots were written
-        table = torch.tensor(seq.kv)
+        table = torch.tensor(seq.block_table)
         for a, b in zip(pools[0].gather(1, table, seq.num_tokens), pools[1].gather(1, table, seq.num_tokens)):
             torch.testing.assert_close(a, b)
 

@@ -129,10 +129,10 @@ def test_padding_never_touches_live_kv(tiny):
         for g, e in pairs:
             if g.is_finished:
                 continue
-            assert scratch not in g.kv and g.num_computed_tokens == e.num_computed_tokens
+            assert scratch not in g.block_table and g.num_computed_tokens == e.num_computed_tokens
             for layer in range(tiny.config.num_layers):
-                for gk, ek in zip(graph.kv_pool.gather(layer, torch.tensor(g.kv), g.num_computed_tokens),
-                                  eager.kv_pool.gather(layer, torch.tensor(e.kv), e.num_computed_tokens)):
+                for gk, ek in zip(graph.kv_pool.gather(layer, torch.tensor(g.block_table), g.num_computed_tokens),
+                                  eager.kv_pool.gather(layer, torch.tensor(e.block_table), e.num_computed_tokens)):
                     torch.testing.assert_close(gk, ek, rtol=1e-5, atol=1e-5)
     assert graph.runner.replays[4] > 0 and not eager.has_unfinished()
     assert [g.output_token_ids for g, _ in pairs] == [e.output_token_ids for _, e in pairs]
@@ -193,7 +193,7 @@ def test_bad_block_table_is_refused_before_the_kernel(tiny):
         engine.step()
     batch = engine.scheduler.schedule()
     assert engine.runner.bucket_for(batch) == 1
-    seq.kv[0] = engine.kv_pool.num_blocks + 7                  # corrupt: a block outside the pool
+    seq.block_table[0] = engine.kv_pool.num_blocks + 7                  # corrupt: a block outside the pool
     with pytest.raises(ValueError, match="outside the pool"):
         engine.runner.prepare(batch, 1)
 

@@ -81,7 +81,7 @@ class NgramProposer:
 class DraftSlot:
     """What a step attention reads of a sequence (lessons 12-17): where its K/V live and
     how many tokens are already there. One per sequence, advanced by one token per draft step."""
-    kv: list[int]
+    block_table: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int
 
@@ -113,7 +113,7 @@ class LayerSkipProposer:
         model = engine.model
         if not 0 < self.num_layers <= len(model.model.layers):
             raise ValueError(f"num_layers must be in [1, {len(model.model.layers)}], got {self.num_layers}")
-        slots = [DraftSlot(s.kv, s.num_computed_tokens, s.num_prompt_tokens) for s in seqs]
+        slots = [DraftSlot(s.block_table, s.num_computed_tokens, s.num_prompt_tokens) for s in seqs]
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[Tensor]] = [[] for _ in seqs]
         for j in range(max(ks, default=0)):

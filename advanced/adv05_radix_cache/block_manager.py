@@ -92,11 +92,11 @@ class RadixBlockManager(BlockManager):
 
         The last token is always left to compute: its logits are what we sample from.
         """
-        assert not seq.kv and seq.num_computed_tokens == 0
+        assert not seq.block_table and seq.num_computed_tokens == 0
         match = self.tree.match_prefix(seq.token_ids[:seq.num_tokens - 1])
         for b in match.block_ids:
             self._add_ref(b)
-        seq.kv = match.block_ids
+        seq.block_table = match.block_ids
         seq.num_computed_tokens = match.num_tokens
         self.query_tokens += seq.num_tokens
         self.hit_tokens += match.num_tokens
@@ -105,9 +105,9 @@ class RadixBlockManager(BlockManager):
     def needs_copy(self, seq: Sequence) -> bool:
         """Would seq's next token land in a block that others rely on?"""
         offset = seq.num_computed_tokens % self.block_size
-        if offset == 0 or not seq.kv:
+        if offset == 0 or not seq.block_table:
             return False                            # the next token starts a fresh block
-        b = seq.kv[seq.num_computed_tokens // self.block_size]
+        b = seq.block_table[seq.num_computed_tokens // self.block_size]
         return self.blocks[b].ref_count > 1 or self.tree.claim.get(b, 0) > offset
 
     def room(self, seq: Sequence) -> int:
@@ -130,10 +130,10 @@ class RadixBlockManager(BlockManager):
 
     def _copy_on_write(self, seq: Sequence) -> None:
         j = seq.num_computed_tokens // self.block_size
-        src = seq.kv[j]
+        src = seq.block_table[j]
         dst = self._take_free_block()               # seq still holds src: it cannot be evicted
         self.pending_copies.append((src, dst))
-        seq.kv[j] = dst
+        seq.block_table[j] = dst
         self._drop_ref(src)
         self.num_copies += 1
 
@@ -144,22 +144,22 @@ class RadixBlockManager(BlockManager):
 
     def cache_sequence(self, seq: Sequence) -> None:
         """Insert seq's computed tokens (and the blocks holding them) into the tree."""
-        if seq.kv and seq.num_computed_tokens:
-            self.tree.insert(seq.token_ids[:seq.num_computed_tokens], seq.kv)
+        if seq.block_table and seq.num_computed_tokens:
+            self.tree.insert(seq.token_ids[:seq.num_computed_tokens], seq.block_table)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares parent's K/V (parallel sampling, a forked conversation); no copy yet."""
-        if parent.kv is None:
+        if parent.block_table is None:
             raise ValueError("parent: it holds no KV blocks (waiting or finished)")
-        if child.kv:
+        if child.block_table:
             raise ValueError("child: it already holds KV blocks")
         n = parent.num_computed_tokens
-        child.kv = parent.kv[:self.blocks_for(n)]
-        for b in child.kv:
+        child.block_table = parent.block_table[:self.blocks_for(n)]
+        for b in child.block_table:
             self._add_ref(b)
         child.num_computed_tokens = n
 
     def free(self, seq: Sequence) -> None:
-        for b in seq.kv or []:
+        for b in seq.block_table or []:
             self._drop_ref(b)
-        seq.kv = None
+        seq.block_table = None

@@ -56,7 +56,7 @@ class RadixScheduler(PrefixCachingScheduler):
         for seq in batch.seqs:
             # Prompt chunks at once (the next arrival may share them); decodes block by block.
             c = seq.num_computed_tokens
-            if seq.kv is not None and (c <= seq.num_prompt_tokens or c % bs == 0):
+            if seq.block_table is not None and (c <= seq.num_prompt_tokens or c % bs == 0):
                 self.block_manager.cache_sequence(seq)
 
     def release(self, seq: Sequence, scheduled: int) -> None:
