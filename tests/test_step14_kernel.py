@@ -8,7 +8,7 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward import kernel
 from step14_batched_forward.engine import BatchedEngine
-from step14_batched_forward.packed_linear import PackedLinear, can_pack, pack_linears
+from step14_batched_forward.packed_linear import PackedLinear, can_pack, count_modules, pack_linears
 
 needs_kernel = pytest.mark.skipif(kernel.load() is None, reason="paged decode kernel could not be built")
 
@@ -149,6 +149,8 @@ def test_what_is_packed_follows_the_cpu(tiny_qwen3_dir):
                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert not can_pack(torch.float16)
     model = load_model(tiny_qwen3_dir, torch.float32)
-    assert pack_linears(model) == (7 * model.config.num_layers if can_pack(torch.float32) else 0)
+    packed = pack_linears(model)
+    assert count_modules(packed, PackedLinear) == (7 * model.config.num_layers if can_pack(torch.float32) else 0)
+    assert count_modules(model, PackedLinear) == 0          # a transform: the model given is not changed
     if not can_pack(torch.float32):
-        assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+        assert packed is model
