@@ -15,7 +15,7 @@ serves every such step:
 
 On this CPU a prompt step spent more of its time in those element-wise passes than in the
 matmuls (the profile is in the README). The linears and the attention kernel stay our own
-code, called through lesson 16's custom ops (ops.py), exactly as in the decode buckets.
+code, called through this lesson's library ops (ops.py), exactly as in the decode buckets.
 
 The compiler sees T as a symbol: a first call compiles the body for its token count, the
 first call with another count recompiles it once with T symbolic ("automatic dynamic"), and

@@ -80,7 +80,7 @@ class _Search:
 
 def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[list[BeamSequence]]:
     """The k best sequences of each prompt, best first. `engine`: lesson 20's engine (anything
-    with LogprobsMixin) or an LLM (its .engine). All prompts' beams share each engine step."""
+    with lesson 20's logprobs output processor) or an LLM (its .engine). All prompts' beams share each engine step."""
     engine = getattr(engine, "engine", engine)
     k = params.beam_width
     eos = set() if params.ignore_eos else set(engine.eos_ids)

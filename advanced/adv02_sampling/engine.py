@@ -72,8 +72,9 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 
 class AdvEngine(PenaltiesMixin, LogprobsEngine):
-    """Lesson 20's engine (lesson 18's + logprobs) with penalties. The MRO puts the penalties
-    after LogprobsMixin's compute_logits: logprobs stay raw, as vLLM's default."""
+    """Lesson 20's engine (lesson 18's + logprobs) with penalties. Lesson 15's Engine keeps the
+    step's logits for the logprobs output processor before this mixin's compute_logits applies
+    the penalties (to a copy): logprobs stay raw, as vLLM's default."""
 
 
 def build_engine(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *, max_num_seqs: int = 16,
