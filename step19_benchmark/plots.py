@@ -9,9 +9,19 @@ matplotlib.use("Agg")             # files only: these machines have no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+LADDER_SIZE, DPI = (9, 4), 110      # inches, dots per inch: the PNG is 990 x 440 pixels
+
+
 def ladder_plot(rows: list[dict], title: str, path: Path) -> Path:
-    """Output tok/s per rung, a bar each; prefix runs hatched."""
-    fig, ax = plt.subplots(figsize=(9, 4))
+    """Output tok/s per rung, a bar each; prefix runs hatched. Writes `path` (PNG)."""
+    fig = ladder_figure(rows, title)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def ladder_figure(rows: list[dict], title: str):
+    fig, ax = plt.subplots(figsize=LADDER_SIZE)
     names = [r["name"] for r in rows]
     bars = ax.bar(names, [r["output_tps"] for r in rows], color="#4c72b0")
     for bar, r in zip(bars, rows):
@@ -23,9 +33,7 @@ def ladder_plot(rows: list[dict], title: str, path: Path) -> Path:
     ax.set_title(title + "  (hatched: ran a prefix of the workload)", fontsize=10)
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def latency_plot(series: dict[str, list[dict]], path: Path) -> Path:

@@ -11,7 +11,7 @@ from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.engine import BatchedEngine
 from step15_flash_attention import backends, flash_cpu
-from step15_flash_attention.backends import AttentionBackend, choose_backend
+from step15_flash_attention.backends import choose_backend
 from step15_flash_attention.engine import build_engine
 from step15_flash_attention.flash_cpu import flash_attention_cpu
 from step15_flash_attention.flash_torch import flash_attention_torch
@@ -85,24 +85,26 @@ def test_kernel_uses_the_threads_it_is_given():
 
 @needs_kernel
 def test_kernel_rejects_bad_input():
+    """Each bad input is refused by the check that names it (error type and message), before
+    any pointer reaches C++."""
     q, k_pool, v_pool, cu, lens, tables = random_paged_case([3, 1], [5, 9], 2, 2, 4, 32)
-    bad = {
-        "dtype": dict(k_pool=k_pool.bfloat16()),
-        "head_dim": dict(q=q[..., :16]),
-        "heads": dict(q=q[:, :3]),
-        "int64": dict(seq_lens=lens.int()),
-        "block id": dict(block_tables=tables.clone().fill_(10_000)),
-        "negative block": dict(block_tables=tables.clone().fill_(-1)),
-        "capacity": dict(seq_lens=torch.tensor([5, 99])),
-        "more queries than keys": dict(seq_lens=torch.tensor([2, 9])),
-        "cu_seqlens_q": dict(cu_seqlens_q=torch.tensor([0, 3, 5])),
-        "batch": dict(block_tables=tables[:1]),
+    bad = {   # what is wrong: (the change, the error it must raise, words its message must hold)
+        "dtype": (dict(k_pool=k_pool.bfloat16()), TypeError, "must share one dtype"),
+        "head_dim": (dict(q=q[..., :16]), ValueError, "shapes do not fit"),
+        "heads": (dict(q=q[:, :3]), ValueError, "shapes do not fit"),
+        "int64": (dict(seq_lens=lens.int()), TypeError, "seq_lens must be int64"),
+        "block id": (dict(block_tables=tables.clone().fill_(10_000)), ValueError, "ids outside the pool"),
+        "negative block": (dict(block_tables=tables.clone().fill_(-1)), ValueError, "ids outside the pool"),
+        "capacity": (dict(seq_lens=torch.tensor([5, 99])), ValueError, "the block tables' capacity"),
+        "more queries than keys": (dict(seq_lens=torch.tensor([2, 9])), ValueError, "more queries than keys"),
+        "cu_seqlens_q": (dict(cu_seqlens_q=torch.tensor([0, 3, 5])), ValueError, "must rise from 0 to T=4"),
+        "batch": (dict(block_tables=tables[:1]), ValueError, "do not describe one batch"),
     }
     args = dict(q=q, k_pool=k_pool, v_pool=v_pool, cu_seqlens_q=cu, seq_lens=lens, block_tables=tables)
-    for what, change in bad.items():
-        with pytest.raises((ValueError, TypeError)) as err:
+    for what, (change, error, words) in bad.items():
+        with pytest.raises(error) as err:
             flash_attention_cpu(**{**args, **change})
-        assert str(err.value), what
+        assert words in str(err.value), f"{what}: {err.value}"
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_kernel), "torch"])
@@ -151,11 +153,17 @@ def test_block_size_follows_the_backend(monkeypatch, tiny_qwen3_dir):
     picky = dataclasses.replace(torch_backend, name="picky", block_size_multiple=256)
     monkeypatch.setitem(backends.BACKENDS, "picky", (picky, ok))
     model = load_model(tiny_qwen3_dir, torch.float32)
-    engine = build_engine(model, PagedSchedulerConfig(kv_cache_bytes=8 * 2**20), attention_backend="picky")
+    config = PagedSchedulerConfig(kv_cache_bytes=8 * 2**20)          # asks for blocks of 16
+    engine = build_engine(model, config, attention_backend="picky")
+    assert engine.attention is picky
     assert engine.kv_pool.block_size == 256 and engine.scheduler.block_manager.block_size == 256
-    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    assert len(out[0].output_token_ids) == 3
-    assert isinstance(picky, AttentionBackend)
+    assert engine.kv_pool.num_blocks == 8 * 2**20 // KVPool.bytes_per_block(model.config, 256, torch.float32)
+    prompts = [[5, 6, 7], list(range(20, 300))]                         # the second spans two blocks of 256
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = build_engine(model, config, attention_backend="torch")        # the same kernel on blocks of 16
+    assert ref.kv_pool.block_size == 16
+    assert [s.output_token_ids for s in engine.generate(prompts, sp)] == \
+        [s.output_token_ids for s in ref.generate(prompts, sp)]
 
 
 def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):

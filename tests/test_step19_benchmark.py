@@ -134,7 +134,15 @@ def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_pa
     assert results[1].requests == 2 and results[1].of == 4
     print_table(results, "tiny")
     rows = [r.to_dict() for r in results]
-    assert plots.ladder_plot(rows, "tiny", tmp_path / "ladder.png").stat().st_size > 1000
+    fig = plots.ladder_figure(rows, "tiny")             # the bars are the measured figures, in order
+    ax = fig.axes[0]
+    assert [b.get_height() for b in ax.patches] == [r["output_tps"] for r in rows]
+    assert [label.get_text() for label in ax.get_xticklabels()] == [r["name"] for r in rows]
+    assert [bool(b.get_hatch()) for b in ax.patches] == [r["requests"] < r["of"] for r in rows]
+    plots.plt.close(fig)
+    png = plots.plt.imread(plots.ladder_plot(rows, "tiny", tmp_path / "ladder.png"))   # a PNG that decodes
+    width, height = plots.LADDER_SIZE
+    assert png.shape[:2] == (height * plots.DPI, width * plots.DPI)
 
     front = AsyncEngine(build_engine(load_model(tiny_qwen3_dir, torch.float32), setup.paged(), use_graph=False),
                         threaded=False)              # as run.py: the engine loop in this thread
