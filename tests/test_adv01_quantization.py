@@ -303,3 +303,25 @@ def test_q4_1_llm(smol_dir):
         assert count_modules(llm.engine.model, Int4Linear) == 210
         out = llm.generate("The capital of France is", LLMParams(temperature=0, max_tokens=3), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
+
+
+# ---- quality on the embedded model: what run.py's quality section prints -----------------------
+@pytest.mark.parametrize("scheme, max_kl, min_agreement", [(W8A16, 0.02, 0.9), (QuantScheme(4, 32, False), 0.02, 0.9)])
+def test_quantized_embedded_model_stays_close_on_the_lessons_text(smol_dir, smol_tokenizer, scheme, max_kl,
+                                                                   min_agreement):
+    """The embedded SmolLM2 in bf16, quantized, scored on quality.TEXT against itself unquantized:
+    perplexity within 3%, mean KL and top-1 agreement within bounds (the README's run: W8A16
+    0.0045 nats and 95.5%, W4A16 g32 asym 0.0015 and 96.6%); and the measure can tell a bad
+    scheme (g32 symmetric: 0.36 nats there) from a good one."""
+    from advanced.adv01_quantization.linear import quantize_model
+    from advanced.adv01_quantization.quality import TEXT, log_probs
+    from step04_transformer.loader import load_model
+    base = load_model(smol_dir, torch.bfloat16)
+    ids = smol_tokenizer.encode(TEXT)
+    ref = log_probs(base, ids)
+    plain = score(ref, ids)
+    good = score(log_probs(quantize_model(base, scheme), ids), ids, ref)
+    assert abs(good.perplexity / plain.perplexity - 1) < 0.03, (good, plain)
+    assert good.kl < max_kl and good.agreement > min_agreement, good
+    bad = score(log_probs(quantize_model(base, QuantScheme(4, 32, True)), ids), ids, ref)
+    assert bad.kl > 10 * good.kl and bad.agreement < good.agreement, (bad, good)

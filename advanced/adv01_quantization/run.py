@@ -24,9 +24,9 @@ from advanced.adv01_quantization.quantize import W8A16, QuantScheme
 from minivllm_support.cli import base_parser, machine, setup
 from minivllm_support.models import embedded_smollm2, load_tokenizer, resolve_model
 from minivllm_support.timing import format_ratio
+from minivllm_support.workloads import weight_floor
 from step04_transformer.config import ModelConfig
 from step04_transformer.loader import load_model
-from minivllm_support.workloads import weight_floor
 from step20_real_model.llm import LLM
 from step20_real_model.params import SamplingParams
 
