@@ -217,8 +217,8 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tenso
 
 
 def row_argmax(x: Tensor) -> Tensor:
-    """x.max(dim=-1).indices for float32 rows [B, V] in one C pass, both cores (lesson 06's
-    row_argmax, which spent ~5 ms on 64 x 151,936 logits in a one-off timing here); torch's where it does not apply."""
+    """x.max(dim=-1).indices for float32 rows [B, V] in one C pass on both cores (lesson 06's
+    row_argmax is torch's single reduction); torch's where it does not apply."""
     lib = kernels_library()
     if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.device.type != "cpu" \
             or x.shape[1] == 0:
