@@ -16,7 +16,6 @@ on static buffers: a CUDA graph on a GPU, the layer body compiled by torch.compi
 from __future__ import annotations
 
 import os
-import random
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
+from minivllm_support.workloads import fill, time_steps
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
@@ -88,20 +88,6 @@ def float32_answers(folder, tok) -> None:
                                         len(a), torch.float32) + f" ({time.perf_counter() - t0:.1f} s)")
 
 
-def fill(engine, batch: int, context: int, max_tokens: int) -> None:
-    """`batch` sequences of `context` tokens, all decoding. They share all but their last 8
-    tokens: one prefill, the rest prefix-cache hits; each decode step still reads every key."""
-    rng = random.Random(0)
-    vocab = engine.model.config.vocab_size
-    prefix = [rng.randrange(1000, vocab - 1000) for _ in range(context - 8)]
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    seqs = [engine.add_request(prefix + [rng.randrange(1000, vocab - 1000) for _ in range(8)], sp)
-            for _ in range(batch)]
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
-        engine.step()
-    engine.step()                                 # one decode step untimed
-
-
 def step_latency(engines: dict, batches=(1, 8), context: int = 360, steps: int = 8, rounds: int = 3) -> None:
     print(f"\none decode step, context ~{context} tokens (the engines take turns, {steps} steps a turn, "
           f"best of {rounds}):")
@@ -111,10 +97,7 @@ def step_latency(engines: dict, batches=(1, 8), context: int = 360, steps: int =
         best = {name: float("inf") for name in engines}
         for _ in range(rounds):
             for name, engine in engines.items():
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    engine.step()
-                best[name] = min(best[name], (time.perf_counter() - t0) / steps * 1e3)
+                best[name] = min(best[name], time_steps(engine, steps))
         for engine in engines.values():
             while engine.has_unfinished():
                 engine.step()

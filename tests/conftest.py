@@ -88,3 +88,12 @@ def engine_workload(smol_fp32, smol_tokenizer):
     ref = [generate_naive(smol_fp32, p, sp.max_tokens, eos) for p, sp in zip(prompts, params)]
     assert sum(r.finished_by_eos for r in ref) >= 3, "workload should include EOS stops"
     return prompts, params, [r.token_ids for r in ref]
+
+
+@pytest.fixture
+def one_thread():
+    """Exact-token tests need no parallelism, and one thread stays fast beside other processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
