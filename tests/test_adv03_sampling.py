@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from advanced.adv03_speculative import rejection
+from advanced.adv03_speculative.proposers import LayerSkipProposer
 from minivllm_support.tiny import build_tiny_qwen3
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams

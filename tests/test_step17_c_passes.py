@@ -5,6 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from step06_sampler.params import SamplingParams
+from step15_flash_attention import flash_cpu
+
+needs_kernel = pytest.mark.skipif(flash_cpu.load() is None, reason="no C++ compiler for the kernel")
+
 
 def test_elementwise_kernels_round_as_lesson04_does():
     """elementwise.cpp: q/k RMSNorm + RoPE (with and without Qwen3's q/k norms) and SwiGLU's
