@@ -22,6 +22,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
                    help="auto (default): bf16 where the CPU computes bf16 natively (AVX-512 BF16, AMX), "
                         "else fp32 (minivllm_support/cpu.py); or force bf16 / fp32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs of each variant, taking turns (default: the lesson's own; "
+                        "`make figures` passes 1 in its short mode)")
     return p
 
 

@@ -36,7 +36,7 @@ def main() -> None:
     runs = compare({"naive": lambda: generate_naive(model, ids, n, ignore_eos=True),
                     "cached": lambda: generate_cached(model, ids, SamplingParams(temperature=0, max_tokens=n,
                                                                                  ignore_eos=True))},
-                   repeats=2, warmup=False)
+                   repeats=args.repeats or 2, warmup=False)
     naive, cached = runs["naive"].result, runs["cached"].result
     agree = next((i for i, (a, b) in enumerate(zip(naive.token_ids, cached.token_ids)) if a != b), n)
     print(f"{n} greedy tokens after a {len(ids)}-token prompt, {args.dtype}: "

@@ -31,7 +31,7 @@ def main() -> None:
 
     # One untimed run of each, then three rounds taking turns (~50 s in all on 2 cores).
     runs = compare({"one at a time": lambda: [generate_cached(model, ids, p, eos) for ids, p in zip(prompts, params)],
-                    "static batch": lambda: generate_static(model, prompts, params, eos)}, repeats=3)
+                    "static batch": lambda: generate_static(model, prompts, params, eos)}, repeats=args.repeats or 3)
     single, static = runs["one at a time"], runs["static batch"]
     singles = single.result
     batch, stats = static.result

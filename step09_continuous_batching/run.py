@@ -61,7 +61,7 @@ def main() -> None:
     # One untimed run of each, then two rounds taking turns: a third round would take the
     # script to ~100 s on 2 cores.
     runs = compare({"static": lambda: static_batches(model, prompts, params, args.batch),
-                    "continuous": lambda: continuous(model, prompts, params, args.batch)}, repeats=2)
+                    "continuous": lambda: continuous(model, prompts, params, args.batch)}, repeats=args.repeats or 2)
     static, cont = runs["static"], runs["continuous"]
     static_out, wasted, slots = static.result
     seqs, num_steps = cont.result

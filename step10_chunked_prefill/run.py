@@ -59,7 +59,7 @@ def main() -> None:
 
     runs = compare({"lesson 09, whole prompt in one step": fresh(LLMEngine, 4096),
                     f"lesson 10, chunks of <= {args.chunk} tokens": fresh(ChunkedPrefillEngine, args.chunk)},
-                   repeats=3)
+                   repeats=args.repeats or 3)
     for name, timing in runs.items():
         mid = {k: statistics.median(r[k] for r in timing.results) for k in ("median", "p99", "worst", "ttft")}
         ttfts = [r["ttft"] for r in timing.results]

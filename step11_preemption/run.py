@@ -44,7 +44,7 @@ def main() -> None:
     runs = compare({"unconstrained": served(lambda: ChunkedPrefillEngine(model, SchedulerConfig(**seats)),
                                             prompts, params),
                     "budget": served(lambda: PreemptingEngine(model, PreemptionSchedulerConfig(
-                        **seats, max_kv_tokens=args.max_kv_tokens)), prompts, params)}, repeats=3)
+                        **seats, max_kv_tokens=args.max_kv_tokens)), prompts, params)}, repeats=args.repeats or 3)
     (free, ref), (tight, out) = runs["unconstrained"].result, runs["budget"].result
 
     same = sum(a.output_token_ids == b.output_token_ids for a, b in zip(ref, out))

@@ -109,7 +109,7 @@ def main() -> None:
     PreemptingEngine(model, ref_config).generate(prompts, warm)
     runs = compare({"paged": lambda: run_paged(model, config, prompts, params),
                     "lesson 11": lambda: run_contiguous(model, ref_config, prompts, params)},
-                   repeats=2, warmup=False)
+                   repeats=args.repeats or 2, warmup=False)
     paged, ref = runs["paged"].result, runs["lesson 11"].result
     seqs = paged["seqs"]
 

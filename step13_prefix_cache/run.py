@@ -122,7 +122,7 @@ def main() -> None:
         served(cls, model, config, prompts[:2], params, args.every)()
     runs = compare({"without cache": served(CountingPagedEngine, model, config, prompts, params, args.every),
                     "with cache": served(CountingPrefixCachingEngine, model, config, prompts, params, args.every)},
-                   repeats=2, warmup=False)
+                   repeats=args.repeats or 2, warmup=False)
     plain, cached = runs["without cache"].result, runs["with cache"].result
 
     bm = cached["bm"]

@@ -64,7 +64,7 @@ def main() -> None:
     for _, cls, m, kw in variants:
         served(cls, m, config, kw, prompts[:4], params[:4])()
     runs = compare({name: served(cls, m, config, kw, prompts, params) for name, cls, m, kw in variants},
-                   repeats=2, warmup=False)
+                   repeats=args.repeats or 2, warmup=False)
     for name, timing in runs.items():
         print(f"{name}: {timing.describe()}, {n_out / timing.median:6.1f} output tok/s, "
               f"{timing.result['steps']} steps")

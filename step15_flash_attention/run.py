@@ -56,7 +56,7 @@ def serve_long(engine: BatchedEngine, prompt: list[int], sp: SamplingParams) -> 
     return {"outputs": seq.output_token_ids, "prefill": t_prefill, "decode": time.perf_counter() - t0 - t_prefill}
 
 
-def long_prompt(model, tok, dtype) -> int:
+def long_prompt(model, tok, dtype, repeats: int = 2) -> int:
     question = "In one sentence: what does this lesson add to the engine?"
     prompt = chat_prompt_ids(tok, DOCUMENT.read_text() + "\n\n" + question)
     sp = SamplingParams(temperature=0, max_tokens=48)
@@ -71,7 +71,7 @@ def long_prompt(model, tok, dtype) -> int:
         serve_long(build(model, config), prompt[:1024], SamplingParams(temperature=0, max_tokens=4))
     runs = compare({name: lambda build=build: serve_long(build(model, config), prompt, sp)
                     for name, build in engines.items()},
-                   repeats=2, warmup=False)
+                   repeats=repeats, warmup=False)
     prefill = {}
     for name, timing in runs.items():
         prefill[name] = Timing(name, [r["prefill"] for r in timing.results])
@@ -85,17 +85,17 @@ def long_prompt(model, tok, dtype) -> int:
     return len(prompt)
 
 
-def attention_alone(cfg, dtype, length: int) -> None:
+def attention_alone(cfg, dtype, length: int, repeats: int = 5) -> None:
     Hq, Hkv, D, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16
     case = random_paged_case([length], [length], Hkv, Hq // Hkv, bs, D, dtype)
     q, k_pool, v_pool, cu, lens, tables = case
     k = k_pool[tables[0]].transpose(1, 2).flatten(0, 1)[:length].repeat_interleave(Hq // Hkv, 1).transpose(0, 1)
     v = v_pool[tables[0]].transpose(1, 2).flatten(0, 1)[:length].repeat_interleave(Hq // Hkv, 1).transpose(0, 1)
     k, v, qh = k.contiguous()[None], v.contiguous()[None], q.transpose(0, 1).contiguous()[None]
-    print(f"\none layer's attention, one causal sequence of {length} tokens ({dtype}; taking turns, median of 5):")
+    print(f"\none layer's attention, one causal sequence of {length} tokens ({dtype}; taking turns, median of {repeats}):")
     runs = compare({"C++ kernel (paged, in place)": lambda: flash_attention_cpu(*case),
                     "torch SDPA is_causal (contiguous K/V)":
-                        lambda: F.scaled_dot_product_attention(qh, k, v, is_causal=True)}, repeats=5)
+                        lambda: F.scaled_dot_product_attention(qh, k, v, is_causal=True)}, repeats=repeats)
     for name, timing in runs.items():
         print(f"  {name:38s} {timing.median * 1e3:7.1f} ms ({timing.best * 1e3:.1f}-{max(timing.seconds) * 1e3:.1f})")
     kernel, sdpa = runs.values()
@@ -109,9 +109,9 @@ def main() -> None:
     runnable = [n for n, (_, ok) in BACKENDS.items() if ok(torch.device("cpu"))]
     print(f"attention backend: {auto.name} (auto; runnable here: {', '.join(runnable)})\n")
     check_kernels(model.config, dtype)
-    length = long_prompt(model, tok, dtype)
+    length = long_prompt(model, tok, dtype, args.repeats or 2)
     if load() is not None:
-        attention_alone(model.config, dtype, length)
+        attention_alone(model.config, dtype, length, args.repeats or 5)
 
 
 if __name__ == "__main__":

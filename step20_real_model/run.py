@@ -43,7 +43,7 @@ def main() -> None:
         stops(llm)
         logprobs(llm)
         streamed(llm)
-        api_cost(llm, args.max_tokens)
+        api_cost(llm, args.max_tokens, args.repeats or 2)
 
 
 def chat(llm: LLM, max_tokens: int) -> None:
@@ -108,7 +108,7 @@ def streamed(llm: LLM) -> None:
           f"tokens that are half a character: {sum(chr(0xfffd) in a for a in alone)}\n")
 
 
-def api_cost(llm: LLM, max_tokens: int) -> None:
+def api_cost(llm: LLM, max_tokens: int, repeats: int = 2) -> None:
     """Same requests through LLM.chat and through the engine alone: what the API layer adds
     (tokenizing, the template, detokenizing every token, the output objects)."""
     prompts = [llm.chat_prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -116,7 +116,7 @@ def api_cost(llm: LLM, max_tokens: int) -> None:
     engine_sp = EngineParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     runs = compare({"engine": lambda: llm.engine.generate(prompts, engine_sp),
-                    "LLM.chat": lambda: llm.chat(conversations, sp, use_tqdm=False)}, repeats=2)
+                    "LLM.chat": lambda: llm.chat(conversations, sp, use_tqdm=False)}, repeats=repeats)
     tokens = len(QUESTIONS) * max_tokens
     print(f"== what the API costs: {len(QUESTIONS)} chats x {max_tokens} tokens (ignore_eos), taking turns")
     for name, t in runs.items():

@@ -114,7 +114,7 @@ def llm_section(folder, dtype: str) -> None:
     print(f"  float copy : {plain.text!r}\n  Q4_1 int4  : {q41.text!r}\n  same tokens: {plain.token_ids == q41.token_ids}\n")
 
 
-def speed_section(context: int) -> None:
+def speed_section(context: int, repeats: int = 3) -> None:
     model = random_model()
     cfg = model.config
     print(f"== 4. speed on the Qwen3-0.6B shape (random bf16 weights: {cfg.num_layers} layers, hidden "
@@ -143,7 +143,7 @@ def speed_section(context: int) -> None:
         print(f"    {r:4d} " + " ".join(f"{c:>22}" for c in cells))
 
     for batch, steps, chosen in [(1, 8, variants), (64, 2, variants[:3])]:
-        t = time_decode(model, chosen, batch, context, steps, repeats=3)
+        t = time_decode(model, chosen, batch, context, steps, repeats=repeats)
         print(f"\n  lesson 16's engine (eager), {batch} sequence{'s' * (batch > 1)} decoding, context ~{context}, "
               f"{steps} steps a turn")
         for v in chosen:
@@ -169,7 +169,7 @@ def main() -> None:
     else:
         print("== 3. skipped: the Q4_1 blocks belong to the embedded SmolLM2, not to this model\n")
     if not args.skip_speed:
-        speed_section(args.context)
+        speed_section(args.context, args.repeats or 3)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def main() -> None:
         banned(llm)
         biased(llm)
         beams(llm)
-        cost(llm)
+        cost(llm, args.repeats or 3)
 
 
 def _distinct(token_ids: list[int]) -> str:
@@ -103,13 +103,13 @@ def beams(llm: AdvLLM) -> None:
           f"{s.prefix_cache_queries - queries} looked-up tokens reused (each beam re-enters as a new request)\n")
 
 
-def cost(llm: AdvLLM) -> None:
+def cost(llm: AdvLLM, repeats: int = 3) -> None:
     prompts = [llm.encode(f"Story number {i}: once upon a time") for i in range(8)]
     plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     pen = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.2,
                          frequency_penalty=0.3, presence_penalty=0.3, logit_bias={5: 1.0})
     runs = compare({"plain": lambda: llm.generate(prompts, plain, use_tqdm=False),
-                    "penalties": lambda: llm.generate(prompts, pen, use_tqdm=False)}, repeats=3)
+                    "penalties": lambda: llm.generate(prompts, pen, use_tqdm=False)}, repeats=repeats)
     print("== what the penalties cost: 8 requests x 32 tokens, taking turns")
     for name, t in runs.items():
         print(f"  {name:10}: {t.describe()}")

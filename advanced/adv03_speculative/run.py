@@ -137,8 +137,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="draft tokens per step, prompt lookup")
     p.add_argument("--draft-layers", type=int, default=8, help="layers of the layer-skip draft")
     p.add_argument("--draft-k", type=int, default=2, help="draft tokens per step, layer skip")
-    p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
+    args.repeats = args.repeats or 2
     dtype, folder, model, tok = start_lesson(args)
     n_layers = model.config.num_layers
     config = PagedSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, kv_cache_bytes=128 * 2**20)

@@ -111,11 +111,11 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--max-tokens", type=int, default=40, help="reply length cap in the chat")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2)
     # fp32 by default: each chat reply becomes part of the next prompt, so both engines must
     # produce the same replies (bf16 rounds differently per batch shape) to face the same prompts.
     p.set_defaults(dtype="fp32")
     args = p.parse_args()
+    args.repeats = args.repeats or 2
     dtype, folder, model, tok = start_lesson(args)
     config = PagedSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=args.block_size,
                                   kv_cache_bytes=256 * 2**20)
