@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: demo test test-baseline install clean-cache compare-vllm check-arm figures
+.PHONY: demo test test-baseline install clean-cache compare-vllm check-arm figures soak
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
@@ -39,6 +39,11 @@ check-arm: $(STAMP)
 # 2 cores); FULL=1 for the READMEs' long runs; ONLY="step15 adv01" for some lessons.
 figures: $(STAMP)
 	$(PY) -m minivllm_support.figures $(if $(FULL),--full) $(if $(ONLY),--only $(ONLY))
+
+# Lesson 21's server as its own process under a mixed, misbehaving load (streams cut off, bad
+# bodies, injected step faults), then checked: answers, idle afterwards, RSS, clean SIGTERM.
+soak: $(STAMP)
+	$(PY) step21_http_serve/soak.py --minutes $(or $(MINUTES),1) --concurrency $(or $(CONCURRENCY),64)
 
 # Compiled code only: our kernels and inductor's generated C++ under the cache folder
 # (~/.cache/mini-vllm or MINIVLLM_CACHE); converted checkpoints stay.

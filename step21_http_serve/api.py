@@ -3,7 +3,7 @@
     POST /v1/completions        prompt(s) -> text         stream: true -> SSE "data: {...}" chunks,
     POST /v1/chat/completions   messages -> a reply                      then "data: [DONE]"
     GET  /v1/models             the one model served
-    GET  /health                200 while the engine thread is alive, else 503
+    GET  /health                200 while the engine is alive, 503 once it is dead
     GET  /metrics               Prometheus text (metrics.py)
 
 Every client mistake is a 4xx with OpenAI's error JSON; a 500 means a bug here. The body is
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from step19_benchmark.faults import StepFailed
 from step21_http_serve.async_llm import AsyncLLM, Delta
 from step21_http_serve.metrics import CONTENT_TYPE
 from step21_http_serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, validation_error)
@@ -199,7 +200,9 @@ async def _unless_disconnected(request: Request, work):
         return task.result()
     except ValueError as e:
         raise _engine_error(e) from e
-    except RuntimeError as e:                      # the engine thread failed or was shut down
+    except StepFailed as e:                        # its engine step raised; the engine went on
+        raise APIError(str(e), status=500, type_="server_error") from e
+    except RuntimeError as e:                      # the engine is dead or was shut down
         raise APIError(str(e), status=503, type_="server_error") from e
 
 

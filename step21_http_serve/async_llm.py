@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from step19_benchmark.faults import FaultPolicy
 from step19_benchmark.frontend import AsyncEngine, TokenEvent
 from step20_real_model.detokenizer import IncrementalDetokenizer
 from step20_real_model.outputs import Logprob
@@ -47,9 +48,9 @@ class LogprobFrontEnd(AsyncEngine):
     so the consumer can read it from the Sequence; all this subclass adds is a way to find the
     Sequence: the request record of each "add", keyed by its (per-request) params object."""
 
-    def __init__(self, engine, threaded: bool = True):
+    def __init__(self, engine, threaded: bool = True, **front_options):
         self._adds: dict[int, object] = {}       # id(params) -> lesson 19's request record
-        super().__init__(engine, threaded)
+        super().__init__(engine, threaded, **front_options)
 
     def _post(self, kind: str, req) -> None:
         if kind == "add" and id(req.params) in self._adds:   # a request that stream() started
@@ -77,15 +78,17 @@ class LogprobFrontEnd(AsyncEngine):
 class AsyncLLM:
     """Lesson 20's LLM (tokenizer, chat template, engine) served to many concurrent callers."""
 
-    def __init__(self, llm, served_model_name: str | None = None, threaded: bool = True):
+    def __init__(self, llm, served_model_name: str | None = None, threaded: bool = True,
+                 policy: FaultPolicy | None = None):
         """threaded=False: the engine loop runs where `serve` calls `front.drive` (the main
-        thread), uvicorn in a helper thread (lesson 19's thread_cost.py says why)."""
+        thread), uvicorn in a helper thread (lesson 19's thread_cost.py says why).
+        policy: when step faults stop being isolated (lesson 19's faults.py)."""
         self.llm, self.tokenizer = llm, llm.tokenizer
         self.model_name = served_model_name or str(llm.model_dir)
         self.max_model_len = llm.max_model_len
         self.vocab_size = llm.engine.model.config.vocab_size
         self.metrics = ServerMetrics(llm.engine, self.model_name)
-        self.front = LogprobFrontEnd(llm.engine, threaded)
+        self.front = LogprobFrontEnd(llm.engine, threaded, policy=policy)
         self._token_texts: dict[int, str] = {}
 
     def shutdown(self) -> None:

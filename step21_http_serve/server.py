@@ -14,8 +14,14 @@ import socket
 import threading
 import time
 
+# The exit code of a server whose engine died (lesson 19's faults.py): not 0, so a supervisor
+# (systemd, Kubernetes, a shell loop) restarts it; 3, so a log tells it from a crash (1) or a kill.
+EXIT_ENGINE_DEAD = 3
+DRAIN_S = 1.0            # after death: in-flight answers (503s) go out, then the server stops
+
 import uvicorn
 
+from step19_benchmark.faults import FaultPlan, FaultPolicy, inject_faults, prompt_contains
 from step20_real_model.llm import LLM
 from step21_http_serve.api import build_app
 from step21_http_serve.async_llm import AsyncLLM
@@ -23,13 +29,23 @@ from step21_http_serve.async_llm import AsyncLLM
 
 def build_server(model: str | None = None, *, served_model_name: str | None = None, dtype: str = "auto",
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
-                 enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True):
+                 enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True,
+                 fault_marker: str | None = None, policy: FaultPolicy | None = None):
     """(the FastAPI app, its AsyncLLM); call the AsyncLLM's shutdown() when done serving.
-    threaded=False: `serve` must run it (the engine loop in the calling thread)."""
+    threaded=False: `serve` must run it (the engine loop in the calling thread).
+    fault_marker: a lesson and soak tool: the step holding a prompt with this text raises.
+    policy: when step faults make the engine dead (default: 3 within 60 s)."""
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager)
-    engine = AsyncLLM(llm, served_model_name, threaded)
+    arm_fault_marker(llm, fault_marker)
+    engine = AsyncLLM(llm, served_model_name, threaded, policy)
     return build_app(engine, max_body_bytes=max_body_bytes), engine
+
+
+def arm_fault_marker(llm, marker: str | None) -> None:
+    """With a marker: the engine step that holds a prompt containing it raises (faults.py)."""
+    if marker:
+        inject_faults(llm.engine, FaultPlan(when=prompt_contains(marker, llm.tokenizer.decode)))
 
 
 class ServerThread:
@@ -65,7 +81,8 @@ def serve(app, host: str, port: int, log_level: str = "info", front=None) -> Non
     uvicorn runs in a helper thread and this thread runs the engine loop until uvicorn stops.
     Ctrl+C / SIGTERM then only ask uvicorn to stop (a flag, set between bytecodes), so no
     engine step is ever interrupted halfway; in-flight requests finish, as uvicorn's own
-    graceful shutdown lets them."""
+    graceful shutdown lets them. If the engine dies (lesson 19's faults.py), uvicorn is asked
+    to stop DRAIN_S later; the caller then exits with EXIT_ENGINE_DEAD."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     if front is None or front.threaded:
@@ -74,6 +91,11 @@ def serve(app, host: str, port: int, log_level: str = "info", front=None) -> Non
 
     def stop(signum, frame) -> None:
         server.should_exit = True
+
+    def on_dead(dead) -> None:                   # in the engine thread; uvicorn answers 503s meanwhile
+        print(f"{dead}; stopping in {DRAIN_S:g} s (exit code {EXIT_ENGINE_DEAD})", flush=True)
+        threading.Timer(DRAIN_S, stop, args=(None, None)).start()
+    front.on_dead = on_dead
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         front.drive(server.run)

@@ -109,28 +109,38 @@ def test_bad_request_errors_reach_only_its_caller(tiny):
         front.shutdown()
 
 
-def test_engine_failure_reaches_every_stream_and_stops_the_front_end(tiny):
-    engine = _engine(tiny)
-    real_step, calls = engine.step, []
+def test_a_failure_outside_a_known_batch_fails_every_request_in_flight_and_the_front_end_goes_on(tiny):
+    """Lesson 14's engine keeps no `current_batch` (lesson 15's does: test_step19_faults.py):
+    a step that raises then takes every request in flight with it, the books are checked, and
+    the front end serves the next request. With max_faults=1 the first fault is fatal."""
+    from step19_benchmark.faults import EngineDead, FaultPolicy, StepFailed
+    for max_faults in (3, 1):
+        engine = _engine(tiny)
+        real_step, calls = engine.step, []
 
-    def failing_step():
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("boom in step")
-        return real_step()
-    engine.step = failing_step
-    front = AsyncEngine(engine)
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("boom in step")
+            return real_step()
+        engine.step = failing_step
+        front = AsyncEngine(engine, policy=FaultPolicy(max_faults=max_faults))
 
-    async def main():
-        runs = [collect(front, p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in _prompts(3)]
-        return await asyncio.gather(*runs, return_exceptions=True)
-    try:
-        results = asyncio.run(main())
-        assert all(isinstance(r, RuntimeError) and "boom" in str(r) for r in results)
+        async def main():
+            runs = [collect(front, p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in _prompts(3)]
+            return await asyncio.gather(*runs, return_exceptions=True)
 
         async def after():
             return await collect(front, [5, 6], SamplingParams(max_tokens=2))
-        with pytest.raises(RuntimeError, match="failed earlier"):
-            asyncio.run(after())
-    finally:
-        front.shutdown()
+        try:
+            results = asyncio.run(main())
+            assert all(isinstance(r, StepFailed) and "boom" in str(r) for r in results)
+            assert engine.scheduler.num_used_blocks == 0
+            if max_faults == 3:
+                assert front.error is None and len(asyncio.run(after())) == 2
+            else:
+                assert isinstance(front.error, EngineDead)
+                with pytest.raises(EngineDead, match="dead"):
+                    asyncio.run(after())
+        finally:
+            front.shutdown()

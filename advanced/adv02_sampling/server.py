@@ -19,12 +19,14 @@ from typing import Annotated, AsyncIterator
 
 from pydantic import BaseModel, Field, StrictStr
 
+from step19_benchmark.faults import FaultPolicy
 from step20_real_model.params import SamplingParams as LLMSamplingParams
 from step21_http_serve import protocol
 from step21_http_serve.__main__ import main
 from step21_http_serve.api import _engine_error, build_app
 from step21_http_serve.async_llm import AsyncLLM, Delta
 from step21_http_serve.protocol import Float
+from step21_http_serve.server import arm_fault_marker
 
 from .engine import AdvLLM, bad_words_to_ids, check_token_ids
 from .params import SamplingParams
@@ -77,11 +79,13 @@ class AdvAsyncLLM(AsyncLLM):
 
 def build_server(model: str | None = None, *, served_model_name: str | None = None, dtype: str = "auto",
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
-                 enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True):
+                 enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True,
+                 fault_marker: str | None = None, policy: FaultPolicy | None = None):
     """Lesson 21's build_server with AdvLLM and these request classes: (app, AdvAsyncLLM)."""
     llm = AdvLLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager)
-    engine = AdvAsyncLLM(llm, served_model_name, threaded)
+    arm_fault_marker(llm, fault_marker)
+    engine = AdvAsyncLLM(llm, served_model_name, threaded, policy)
     app = build_app(engine, max_body_bytes=max_body_bytes, completion_request=CompletionRequest,
                     chat_request=ChatCompletionRequest)
     return app, engine
