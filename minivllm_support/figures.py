@@ -82,7 +82,7 @@ COMMANDS: list[Command] = [
     _run("step06_sampler", "--draws", "4000", what="sampling distributions", full=()),
     _run("step07_kv_cache", "--tokens", "60", *QUICK, what="KV cache vs recompute", full=()),
     _run("step08_static_batching", *QUICK, what="static batches vs one at a time", full=()),
-    _run("step09_continuous_batching", "--requests", "12", *QUICK, what="continuous vs static batching", full=()),
+    _run("step09_continuous_batching", *QUICK, what="continuous vs static batching", full=()),
     _run("step10_chunked_prefill", *QUICK, what="chunked prefill: decode stalls", full=()),
     _run("step11_preemption", "--max-tokens", "32", *QUICK, what="preemption under a small KV budget", full=()),
     _run("step12_paged_attention", "--requests", "8", *QUICK, what="paged KV: memory and capacity", full=()),

@@ -1,8 +1,8 @@
 """Lesson 14: one batched forward (no per-sequence loop) vs lesson 13's engine, same workload.
 
 Three variants: lesson 13; lesson 14 in plain torch (gather + matmul attention); lesson 14
-with its paged decode kernel and pre-packed weights. Packing changes a model in place, so the
-last one runs on a second copy of the model, and the three can take turns.
+with its paged decode kernel and pre-packed weights. Packing makes a packed copy of the model
+(`pack_linears`), made once here, so the three can take turns on the same weights.
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import compare, format_ratio
-from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.engine import PrefixCachingEngine
 from step14_batched_forward.engine import BatchedEngine
+from step14_batched_forward.packed_linear import pack_linears
 
 TOPICS = ["the sea", "a cat", "Paris", "the moon", "coffee", "a robot", "winter", "music",
           "a library", "the desert", "trains", "a garden", "chess", "rain", "a violin", "bread"]
@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=16)
     args = p.parse_args()
-    dtype, folder, model, tok = start_lesson(args)
+    dtype, _, model, tok = start_lesson(args)
     rng = random.Random(0)
     prompts = [chat_prompt_ids(tok, rng.choice(["Write a short poem about {}.", "Describe {} in detail.",
                                                 "Explain {} to a child."]).format(TOPICS[i % len(TOPICS)]))
@@ -49,16 +49,15 @@ def main() -> None:
                                   kv_cache_bytes=512 * 2**20)
     print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {n_out} output tokens "
           f"(ignore_eos), max_num_seqs={args.max_num_seqs}\n")
-    # A second copy of the model for the packed variant: packing the shared one would change
-    # what the other two variants run. Its first engine packs it; later engines find it packed.
-    packed_model = load_model(folder, dtype)
-    first = BatchedEngine(packed_model, config)
+    # Packed once, outside the timed runs: each engine would otherwise pack its own copy.
+    packed_model = pack_linears(model)
+    first = BatchedEngine(packed_model, config, pack_weights=False)
     use_kernel, num_packed = first.use_kernel, first.num_packed
     del first
     torch_only = dict(use_kernel=False, pack_weights=False)
     variants = [("lesson 13 (attention loops over sequences)", PrefixCachingEngine, model, {}),
                 ("lesson 14, torch only (gather + matmul)   ", BatchedEngine, model, torch_only),
-                ("lesson 14, decode kernel + packed weights ", BatchedEngine, packed_model, {})]
+                ("lesson 14, decode kernel + packed weights ", BatchedEngine, packed_model, dict(pack_weights=False))]
     # A short untimed run of each (4 requests), then two rounds taking turns: a full warm-up
     # round would push the script past two minutes on 2 cores.
     for _, cls, m, kw in variants:

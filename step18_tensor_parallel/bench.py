@@ -110,7 +110,7 @@ def run_step(batches: list[int], context: int, rounds: int) -> None:
     """A process holds one TP>1 engine at a time (one default process group), so each TP=2
     variant takes turns with the same TP=1 engine, then makes room for the next."""
     print(f"one decode step, context ~{context} tokens; each TP=2 engine takes turns with TP=1, {rounds} rounds, "
-          f"best round; all eager (lesson 16's compiled step is off under TP)")
+          f"best round; all eager (lessons 16-17's compiled step is off under TP)")
     memory_shown = False
     for b in batches:
         steps = max(4, 32 // b)

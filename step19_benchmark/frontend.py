@@ -183,21 +183,20 @@ class AsyncEngine:
 
     def _after_fault(self, error: BaseException) -> bool:
         """A step raised: end the requests it held, check the books, count the fault.
-        True when the engine is now dead (then every open request has heard of it)."""
+        True when the engine is now dead. The verdict comes before anyone is told, so a
+        caller that hears of the fault already sees the engine's new state."""
         self.faults += 1
         failed = step_requests(self.engine)
         if failed is None:                    # it raised before a batch existed: all in flight
             failed = list(self._live)
-        step_error = StepFailed(f"an engine step failed, and this request was in it: "
-                                f"{type(error).__name__}: {error}")
+        told = []
         for seq in failed:
-            req = self._live.pop(seq, None)
             try:
                 end_request(self.engine, seq, "error")
             except Exception:  # noqa: BLE001 - the books check below judges what is left
                 pass
-            if req is not None:
-                req.loop.call_soon_threadsafe(req.queue.put_nowait, step_error)
+            if seq in self._live:
+                told.append(self._live.pop(seq))
         why = None
         if not isinstance(error, Exception):
             why = f"interrupted ({type(error).__name__})"
@@ -207,10 +206,17 @@ class AsyncEngine:
             why = "the block manager's books do not balance: " + "; ".join(problems[:3])
         elif self.policy.record():
             why = f"{self.policy.max_faults} faults within {self.policy.window_s:.0f} s"
-        if why is None:
+        dead = None if why is None else EngineDead(f"engine dead: {why}; last fault: {type(error).__name__}: {error}")
+        if dead is not None:
+            self.error = dead
+            if self.on_dead is not None:
+                self.on_dead(dead)
+        step_error = StepFailed(f"an engine step failed, and this request was in it: "
+                                f"{type(error).__name__}: {error}")
+        for req in told:
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, step_error)
+        if dead is None:
             return False
-        dead = EngineDead(f"engine dead: {why}; last fault: {type(error).__name__}: {error}")
-        self.error = dead
         for req in self._live.values():
             req.loop.call_soon_threadsafe(req.queue.put_nowait, dead)
         self._live.clear()
@@ -218,8 +224,6 @@ class AsyncEngine:
             kind, req = self._inbox.popleft()
             if kind == "add":
                 req.loop.call_soon_threadsafe(req.queue.put_nowait, dead)
-        if self.on_dead is not None:
-            self.on_dead(dead)
         return True
 
     def _drain_inbox(self) -> None:

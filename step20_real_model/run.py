@@ -37,7 +37,7 @@ def main() -> None:
     print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
     with LLM(folder, dtype=args.dtype, max_num_seqs=8) as llm:
         print(f"LLM ready: max_model_len {llm.max_model_len}, {llm.engine.kv_pool.num_blocks} KV blocks, "
-              f"decode steps {'compiled' if llm.engine.runner else 'eager'}\n")
+              f"decode steps {'compiled' if getattr(llm.engine.runner, 'mode', 'eager') != 'eager' else 'eager'}\n")
         chat(llm, args.max_tokens)
         several(llm)
         stops(llm)

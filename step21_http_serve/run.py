@@ -1,7 +1,7 @@
 """Lesson 21: serve the engine over HTTP the way vLLM does, and talk to it like any client would.
 
     python step21_http_serve/run.py              # the embedded model, eager decode step (< 2 min)
-    python step21_http_serve/run.py --compile    # lesson 16's compiled decode step (slower start-up)
+    python step21_http_serve/run.py --compile    # lesson 17's compiled decode step (slower start-up)
 
 Starts the server in this process (uvicorn in a thread), then:
   1. the official `openai` client: models, completions and chat, streaming and not, n=2 with a
@@ -133,7 +133,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16, help="requests in the load test")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each load-test request generates")
     p.add_argument("--rates", type=float, nargs="+", default=[math.inf, 4.0], help="request rates over HTTP")
-    p.add_argument("--compile", action="store_true", help="compile the decode step (lesson 16; slow start-up)")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (lesson 17; slow start-up)")
     args = p.parse_args()
     setup(args)
     folder = resolve_model(args.model)
