@@ -65,6 +65,34 @@ def time_steps(engine, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def step_turns(engines: dict, batch: int, context: int, steps: int, rounds: int,
+               drain: bool = False) -> dict[str, float]:
+    """Best milliseconds per decode step of each engine: each is filled with `batch` sequences
+    of ~`context` tokens, then the engines take turns `rounds` times, `steps` steps a turn.
+    drain: finish the sequences afterwards, so the next call starts from empty engines."""
+    for engine in engines.values():
+        fill(engine, batch, context, max_tokens=(rounds + 1) * steps + 8)
+    best = {name: float("inf") for name in engines}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            best[name] = min(best[name], time_steps(engine, steps))
+    for engine in engines.values() if drain else ():
+        while engine.has_unfinished():
+            engine.step()
+    return best
+
+
+def make_engine(model, build, options: dict, max_num_seqs: int = 64, kv_gib: float = 3.5):
+    """An engine from `build(model, config, **options)` (a lesson's build_engine, or an engine
+    class), and the seconds building it took (recording buckets, compiling, packing)."""
+    from step12_paged_attention.scheduler import PagedSchedulerConfig
+    config = PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                                  kv_cache_bytes=int(kv_gib * 2**30))
+    t0 = time.perf_counter()
+    engine = build(model, config, **options)
+    return engine, time.perf_counter() - t0
+
+
 def weight_floor(model) -> tuple[float, float, float]:
     """Bytes one decode step must read (every weight once; the embedding only as the LM head),
     the machine's read bandwidth (a float32 sum over 2 GiB), and their ratio."""

@@ -11,7 +11,7 @@
    engine, Triton) vs graph (lesson 16), as lesson 17's `bench.py step` does on a CPU; then the
    forward alone on the runner's static buffers, eager (`runner.decode`) vs one graph replay.
 3. --profile B: the GPU kernels of one bucket-B forward, eager and replayed (torch.profiler).
-The step-timing helpers (fill, alternate, make_engine) are lesson 17's bench.py's.
+The step-timing helpers (fill, step_turns, make_engine) are minivllm_support/workloads.py's.
 """
 from __future__ import annotations
 
@@ -27,10 +27,9 @@ from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from minivllm_support.workloads import random_qwen3_06b
+from minivllm_support.workloads import fill, make_engine, random_qwen3_06b, step_turns
 from step15_flash_attention import engine as lesson15
 from step16_cuda_graph.engine import build_engine
-from step17_cpu_kernels.bench import alternate, fill, make_engine
 
 EAGER = (build_engine, {"attention_backend": "triton", "use_graph": False})     # lesson 15's engine
 GRAPH = (build_engine, {"attention_backend": "triton"})
@@ -100,7 +99,7 @@ def bench(model, batches: list[int], context: int, rounds: int) -> None:
     for b in batches:
         engines = {name: make_engine(model, build, options, kv_gib=2.5)[0]
                    for name, (build, options) in (("eager", EAGER), ("graph", GRAPH))}
-        best = alternate(engines, b, context, max(8, 64 // b), rounds)
+        best = step_turns(engines, b, context, max(8, 64 // b), rounds)
         runner = engines["graph"].runner
         fwd = forward_ms(runner, next(x for x in runner.buckets if x >= b))
         print(f"{b:5d} {best['eager']:15.2f} ms {best['graph']:15.2f} ms {best['eager'] / best['graph']:5.2f}x"

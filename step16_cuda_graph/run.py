@@ -24,7 +24,7 @@ import torch
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
-from minivllm_support.workloads import fill, time_steps
+from minivllm_support.workloads import step_turns
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
@@ -92,15 +92,7 @@ def step_latency(engines: dict, batches=(1, 8), context: int = 360, steps: int =
     print(f"\none decode step, context ~{context} tokens (the engines take turns, {steps} steps a turn, "
           f"best of {rounds}):")
     for b in batches:
-        for engine in engines.values():
-            fill(engine, b, context, max_tokens=(rounds + 1) * steps + 8)
-        best = {name: float("inf") for name in engines}
-        for _ in range(rounds):
-            for name, engine in engines.items():
-                best[name] = min(best[name], time_steps(engine, steps))
-        for engine in engines.values():
-            while engine.has_unfinished():
-                engine.step()
+        best = step_turns(engines, b, context, steps, rounds, drain=True)
         ratio = best["eager"] / best["lesson 16"]
         print(f"  batch {b}: " + ", ".join(f"{name} {ms:5.1f} ms" for name, ms in best.items())
               + f"  (lesson 16 against eager on the same weights: {max(ratio, 1 / ratio):.2f}x "

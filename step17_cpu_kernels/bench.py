@@ -34,9 +34,8 @@ from pathlib import Path
 import torch
 
 from minivllm_support.cli import DTYPES, machine, resolve_dtype_name
-from minivllm_support.workloads import fill, time_steps, weight_floor
+from minivllm_support.workloads import make_engine, step_turns, weight_floor
 from step06_sampler.params import SamplingParams
-from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, run_engine, run_hf, workload
 from step14_batched_forward.engine import BatchedEngine
 from step15_flash_attention import engine as lesson15
@@ -56,16 +55,6 @@ VARIANTS = {
 }
 LADDER = {"14": (BatchedEngine, {}), "15": (lesson15.build_engine, {}), "16": (lesson16.build_engine, {}),
           "17": (lesson17.build_engine, {})}
-
-
-def make_engine(model, build, options, max_num_seqs: int = 64, kv_gib: float = 3.5):
-    """An engine from `build(model, config, **options)` (a lesson's build_engine, or an engine
-    class), and the seconds building it took (recording buckets, compiling, packing)."""
-    config = PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
-                                  kv_cache_bytes=int(kv_gib * 2**30))
-    t0 = time.perf_counter()
-    engine = build(model, config, **options)
-    return engine, time.perf_counter() - t0
 
 
 def record_seconds(engine) -> float:
@@ -105,17 +94,6 @@ def vllm(what: str, seed: int, *extra: str) -> dict | None:
     return json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])  # after its logs
 
 
-def alternate(engines: dict, batch: int, context: int, steps: int, rounds: int) -> dict[str, float]:
-    """Best milliseconds per decode step of each engine, the engines taking turns `rounds` times."""
-    for engine in engines.values():
-        fill(engine, batch, context, max_tokens=(rounds + 1) * steps + 8)
-    best = {name: float("inf") for name in engines}
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            best[name] = min(best[name], time_steps(engine, steps))
-    return best
-
-
 def variants(model) -> dict:
     return {name: make_engine(model, build, options, kv_gib=2.5)[0] for name, (build, options) in VARIANTS.items()}
 
@@ -132,7 +110,7 @@ def run_step(model, batches: list[int], context: int, rounds: int = 4) -> None:
     print(f"{'batch':>5} " + " ".join(f"{name:>22}" for name in VARIANTS) + "   lesson 17 / lesson 15")
     for b in batches:
         engines = variants(model)
-        best = alternate(engines, b, context, max(4, 32 // b), rounds)
+        best = step_turns(engines, b, context, max(4, 32 // b), rounds)
         parts = breakdown(engines["lesson 17"], max(4, 32 // b))
         del engines
         ratio = best["lesson 15 (eager)"] / best["lesson 17"]
@@ -143,7 +121,7 @@ def run_step(model, batches: list[int], context: int, rounds: int = 4) -> None:
 def run_batch1(model, seed: int, rounds: int = 4) -> None:
     nbytes, bandwidth, floor = weight_floor(model)
     print(f"batch 1, a 128-token prompt, decode tok/s (16 steps a turn, {rounds} turns each, best turn)")
-    best = alternate(variants(model), 1, 128, 16, rounds)
+    best = step_turns(variants(model), 1, 128, 16, rounds)
     for name, ms in best.items():
         print(f"  {name:26s} {1e3 / ms:6.1f} tok/s")
     from transformers import AutoModelForCausalLM

@@ -22,27 +22,18 @@ import torch
 from minivllm_support.cli import base_parser, identity_line
 from minivllm_support.lesson import start_lesson
 from minivllm_support.models import chat_prompt_ids
+from minivllm_support.workloads import step_turns
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
-from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward import kernel as lesson14_kernel
 from step14_batched_forward.packed_linear import PackedLinear, count_modules
 from step16_cuda_graph import engine as lesson16
+from step16_cuda_graph.run import QUESTIONS, config     # lesson 16's questions and engine settings
 from step17_cpu_kernels import engine as lesson17
 from step17_cpu_kernels import ops
-from minivllm_support.workloads import fill, time_steps
 from step17_cpu_kernels.fused import count_fused
 from step17_cpu_kernels.ops import OpPackedLinear
 from step17_cpu_kernels.runner import CpuGraphRunner
-
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
-             "Explain why the sky is blue in two sentences.", "What is 12 times 12?",
-             "Name a famous painting and its painter.", "Give me a tip for learning Python.",
-             "What does a compiler do?"]
-
-
-def config() -> PagedSchedulerConfig:
-    return PagedSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, kv_cache_bytes=256 * 2**20)
 
 
 def build(name: str, build_engine, model):
@@ -106,15 +97,7 @@ def decode_throughput(engines: dict, batches=(1, 8), context: int = 360, steps: 
     print(f"\ndecode throughput, context ~{context} tokens (the engines take turns, {steps} steps a turn, "
           f"best of {rounds}):")
     for b in batches:
-        for engine in engines.values():
-            fill(engine, b, context, max_tokens=(rounds + 1) * steps + 8)
-        best = {name: float("inf") for name in engines}
-        for _ in range(rounds):
-            for name, engine in engines.items():
-                best[name] = min(best[name], time_steps(engine, steps))
-        for engine in engines.values():                 # finish them: the next batch starts empty
-            while engine.has_unfinished():
-                engine.step()
+        best = step_turns(engines, b, context, steps, rounds, drain=True)   # drained: the next batch starts empty
         tok_s = {name: b * 1e3 / ms for name, ms in best.items()}
         print(f"  batch {b}: " + ", ".join(f"{name} {t:6.1f} tok/s ({best[name]:5.1f} ms a step)"
                                            for name, t in tok_s.items())

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence as Seq, TypeVar
 
 from step06_sampler.params import SamplingParams
