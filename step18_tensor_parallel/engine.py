@@ -39,7 +39,8 @@ from step14_batched_forward.packed_linear import pack_linears
 from step15_flash_attention.backends import choose_backend
 from step15_flash_attention.engine import Engine, ModelRunner, create_kv_pool, create_scheduler, fit_block_size
 from step17_cpu_kernels import engine as lesson17
-from step18_tensor_parallel import parallel
+from step18_tensor_parallel import control, parallel
+from step18_tensor_parallel.launch import NodeLaunch, placement, placement_table
 from step18_tensor_parallel.loader import load_tp_model
 from step18_tensor_parallel.metadata import StepMetadata
 from step18_tensor_parallel.model import check_tp_shapes
@@ -120,7 +121,7 @@ class TPEngine(Engine):
     def __init__(self, model: str | Path, scheduler: PagedSchedulerConfig | None = None, *, tensor_parallel_size: int = 1,
                  dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None,
                  timeout_s: float = 60.0, all_reduce: str = "auto", pack_weights: bool = True,
-                 output_processor=None, **kwargs):
+                 output_processor=None, launch: NodeLaunch | None = None, **kwargs):
         """model: a checkpoint folder (each rank loads its own slices of it). scheduler: the
         engine's PagedSchedulerConfig. kwargs: lesson 17's build_engine options (tp == 1 only:
         use_graph, max_bucket, ...).
@@ -128,7 +129,9 @@ class TPEngine(Engine):
         threads_per_rank: torch threads of each rank (default: the cores shared out evenly;
         rank 0's setting is restored by close()). timeout_s: how long a collective may wait
         for a silent rank before it fails. all_reduce: "gloo" (the process group), "shm"
-        (shared memory, x86-64 CPUs) or "auto" (shm where it works, else gloo).
+        (shared memory, x86-64 CPUs) or "auto" (shm where it works, else gloo); shared memory
+        only when every rank is on this machine and spawned by it. launch: where the ranks run
+        (launch.py; default: torchrun's environment if there is one, else this machine).
         """
         folder = check_model_dir(Path(model))
         tp = tensor_parallel_size
@@ -141,13 +144,22 @@ class TPEngine(Engine):
         if tp > 1 and dist.is_initialized():
             raise RuntimeError("this process already runs a TPEngine with tensor_parallel_size > 1 (one "
                                "process group per process): close() it first")
-        self.tp, self.timeout_s, self.closed = tp, timeout_s, False
-        self.all_reduce = "none" if tp == 1 else "gloo" if all_reduce == "gloo" or not shm_supported() else "shm"
+        launch = launch or NodeLaunch.from_env() or NodeLaunch()
+        if tp > 1 and launch.node_rank != 0:
+            raise ValueError(f"the engine runs on node 0; node {launch.node_rank} runs headless workers: "
+                             f"python -m step18_tensor_parallel.node --node-rank {launch.node_rank} ...")
+        self.tp, self.timeout_s, self.closed, self.launch = tp, timeout_s, False, launch
+        spawns_all = not launch.multi_node and not launch.torchrun
+        if all_reduce == "shm" and not spawns_all:
+            raise ValueError("all_reduce='shm' needs every rank on this machine, spawned by this process; use 'gloo'")
+        self.all_reduce = ("none" if tp == 1 else "gloo" if all_reduce == "gloo" or not shm_supported() or not spawns_all
+                           else "shm")
         self.shm_path: str | None = None
         self.workers: list = []
         self.conns: list[Connection] = []
         self._threads_before = torch.get_num_threads()
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // tp)
+        local = [r for r in launch.local_ranks(tp) if r != 0] if tp > 1 and not launch.torchrun else []
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // (len(local) + 1 if tp > 1 else 1))
         torch.set_num_threads(threads)
         if tp == 1:
             full = load_model(folder, dtype)
@@ -164,21 +176,33 @@ class TPEngine(Engine):
             except OSError as e:
                 warnings.warn(f"no room for the shared-memory all-reduce ({e}); using gloo")
                 self.all_reduce = "gloo"
-        store = parallel.make_store(0, tp, 0, timeout_s)
+        try:
+            store = parallel.make_store(0, tp, launch.master_port, launch.rendezvous_timeout_s, launch.master_addr,
+                                        is_master=not launch.torchrun)
+        except Exception as e:  # noqa: BLE001 - a port in use, an address not of this machine
+            raise RuntimeError(f"cannot host the rendezvous on port {launch.master_port}: {e}") from e
+        server = control.ControlServer(store)
+        self.ranks: list[int] = []                # the worker rank of each connection in self.conns
         ctx = mp.get_context("spawn")          # fresh interpreters: no forked torch thread pools
-        for rank in range(1, tp):
-            parent, child = ctx.Pipe()
-            spec = WorkerSpec(str(folder), rank, tp, store.port, dtype, threads, timeout_s,
-                              pack_weights, self.shm_path, shm_elems)
-            proc = ctx.Process(target=worker_main, args=(spec, child), name=f"tp-rank-{rank}", daemon=True)
+        for rank in local:
+            spec = WorkerSpec(str(folder), rank, tp, store.port, dtype, threads, timeout_s, pack_weights,
+                              self.shm_path, shm_elems, launch.master_addr, launch.nnodes,
+                              launch.rendezvous_timeout_s)
+            proc = ctx.Process(target=worker_main, args=(spec,), name=f"tp-rank-{rank}", daemon=True)
             proc.start()
-            child.close()
             self.workers.append(proc)
-            self.conns.append(parent)
         # Runs at garbage collection or at interpreter exit, unless close() ran first.
         self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, self.shm_path,
                                            self._threads_before)
         try:
+            flags = control.RunFlags(control.model_fingerprint(folder), str(dtype), tp, launch.nnodes)
+            conns = server.accept_all(list(range(1, tp)), flags, launch.rendezvous_timeout_s,
+                                      lambda r: launch.node_of(r, tp), self._check_spawned)
+            self.ranks += sorted(conns)
+            self.conns += [conns[r] for r in self.ranks]
+            if launch.multi_node or launch.torchrun:
+                print(f"[minivllm] all {tp} ranks joined:\n{placement_table(placement(tp, 1, launch.nnodes))}",
+                      flush=True)
             parallel.init_group(store, 0, tp, timeout_s)
             if self.shm_path:
                 workers = self.workers         # not self: the communicator must not keep the engine alive
@@ -208,32 +232,46 @@ class TPEngine(Engine):
     def step(self):
         if self.closed:
             raise RuntimeError("this TPEngine is closed (after close() or a worker failure): make a new one")
-        if not self.workers:
+        if self.tp == 1:
             return super().step()
         try:
-            for i, p in enumerate(self.workers):
+            for p in self.workers:
                 if not p.is_alive():
-                    raise WorkerFailed(f"tensor-parallel rank {i + 1} is not running")
+                    raise WorkerFailed(f"tensor-parallel {p.name} is not running")
             return super().step()
         except BaseException as e:
             raise self._fail(e) from e
 
     # ---- faults and shutdown ----------------------------------------------------------------
+    def _check_spawned(self) -> None:
+        for p in self.workers:
+            if not p.is_alive():
+                raise WorkerFailed(f"tensor-parallel {p.name} exited with code {p.exitcode} while starting")
+
+    def _proc(self, rank: int):
+        return next((p for p in self.workers if p.name == f"tp-rank-{rank}"), None)
+
     def _wait_ready(self, i: int) -> dict:
-        conn, proc = self.conns[i], self.workers[i]
+        conn, rank = self.conns[i], self.ranks[i]
+        proc = self._proc(rank)
         while True:
-            if conn.poll(0.1):
-                kind, info = conn.recv()
-                if kind == "error":
-                    raise WorkerFailed(f"tensor-parallel worker failed while starting:\n{info}")
-                return info
-            if not proc.is_alive():
-                raise WorkerFailed(f"tensor-parallel rank {i + 1} exited with code {proc.exitcode} while starting")
+            try:
+                if conn.poll(0.1):
+                    kind, info = conn.recv()
+                    if kind == "error":
+                        raise WorkerFailed(f"tensor-parallel worker failed while starting:\n{info}")
+                    return info
+            except (EOFError, OSError) as e:
+                raise WorkerFailed(f"tensor-parallel rank {rank} closed its connection while starting") from e
+            if proc is not None and not proc.is_alive():
+                raise WorkerFailed(f"tensor-parallel rank {rank} exited with code {proc.exitcode} while starting")
 
     def _worker_report(self) -> str:
-        """What the workers say about themselves: their tracebacks, or how they ended."""
+        """What the workers say about themselves: their tracebacks, or how they ended. A rank on
+        another machine has no process handle here: its connection tells whether it is gone."""
         lines = []
-        for i, (conn, proc) in enumerate(zip(self.conns, self.workers)):
+        for conn, rank in zip(self.conns, self.ranks):
+            proc = self._proc(rank)
             try:
                 if conn.poll(0.05):   # a worker that raised wrote this before it exited
                     kind, info = conn.recv()
@@ -241,21 +279,26 @@ class TPEngine(Engine):
                         lines.append(info.rstrip())
                         continue
             except (EOFError, OSError):
-                pass
+                if proc is None:
+                    node = self.launch.node_of(rank, self.tp)
+                    lines.append(f"rank {rank} (node {node}): connection lost: its process or machine is gone")
+                    continue
+            if proc is None:
+                continue
             proc.join(0.05)
             if proc.exitcode is None:
-                lines.append(f"rank {i + 1}: still running but not answering (stopped now)")
+                lines.append(f"rank {rank}: still running but not answering (stopped now)")
             elif proc.exitcode:
                 how = (f"killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}")
-                lines.append(f"rank {i + 1}: process ended ({how})")
+                lines.append(f"rank {rank}: process ended ({how})")
         return "\n".join(lines)
 
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' account if they have one."""
-        report = self._worker_report() if self.workers else ""
+        report = self._worker_report() if self.conns else ""
         self.close(wait_s=0.1)            # they are mid-step: no point waiting for a clean stop
         blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
-            or "Traceback" in report
+            or "Traceback" in report or "connection lost" in report
         if isinstance(error, KeyboardInterrupt) or not blamed:
             return error                    # rank 0's own error (or Ctrl-C): raise it as it is
         return WorkerFailed(f"tensor-parallel step failed on rank 0 with: {error}\n"
@@ -266,7 +309,7 @@ class TPEngine(Engine):
         if self.closed:
             return
         self.closed = True
-        if self.workers:
+        if hasattr(self, "_finalizer"):
             self._finalizer.detach()
         _release(self.workers, self.conns, self.shm_path, self._threads_before, wait_s)
 

@@ -40,17 +40,22 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def make_store(rank: int, world: int, port: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0 hosts the rendezvous store (port 0: the OS picks a free one, read back from .port)."""
-    return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+def make_store(rank: int, world: int, port: int, timeout_s: float, host: str = "127.0.0.1",
+               is_master: bool | None = None) -> dist.TCPStore:
+    """The rendezvous store. Rank 0 hosts it (port 0: the OS picks a free one, read back from
+    .port); the others dial host:port, retrying until timeout_s, so their start order does not
+    matter. Under torchrun it already exists (torchrun's agent hosts it): everyone is a client."""
+    master = rank == 0 if is_master is None else is_master
+    return dist.TCPStore(host, port, world if master else None, is_master=master,
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def init_group(store: dist.TCPStore, rank: int, world: int, timeout_s: float, device_type: str = "cpu") -> None:
+def init_group(store: dist.Store, rank: int, world: int, timeout_s: float, device_type: str = "cpu") -> None:
     """Join the default process group. `timeout_s` bounds every collective: a rank that stops
-    answering turns into an error on the others after that long, never into a hang."""
-    dist.init_process_group(backend_for(device_type), store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    answering turns into an error on the others after that long, never into a hang. The group's
+    keys get their own prefix, so a store shared with others (torchrun's) is not disturbed."""
+    dist.init_process_group(backend_for(device_type), store=dist.PrefixStore("minivllm/pg", store), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def use_shared_memory(comm) -> None:

@@ -1,17 +1,18 @@
 """A worker rank: its shard of the model, its slice of the KV pool, and a loop that runs
 whatever step rank 0 describes.
 
-    rank 0 --pipe--> worker: pool spec (once), then one StepMetadata per step, b"" to stop
-    worker --pipe--> rank 0: ("ready", facts) once, or ("error", traceback) before it exits
+    worker: dial the store, then rank 0's control socket (control.py), join the process group
+    rank 0 --control--> worker: pool spec (once), then one StepMetadata per step, b"" to stop
+    worker --control--> rank 0: ("ready", facts) once, or ("error", traceback) before it exits
     all ranks <-gloo/NCCL-> the all-reduces and the logits gather, inside the forward
 
-Why a pipe for the step and not a broadcast: between steps a worker may wait for minutes
-(an idle server). A collective would time out; a pipe read waits for ever, and ends with
-EOFError the moment rank 0's process is gone, so a worker can never outlive its engine.
+The same function runs a worker that rank 0 spawned on its own machine, one that a headless
+node spawned (node.py), and one that torchrun started: each finds rank 0 the same way.
 """
 from __future__ import annotations
 
 import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 
 from step14_batched_forward.packed_linear import pack_linears
 from step15_flash_attention.backends import choose_backend
-from step18_tensor_parallel import parallel
+from step18_tensor_parallel import control, parallel
 from step18_tensor_parallel.loader import load_tp_model
 from step18_tensor_parallel.metadata import MetadataAttention, StepMetadata
 from step18_tensor_parallel.shm_allreduce import ShmAllReduce
@@ -43,6 +44,16 @@ class WorkerSpec:
     pack_weights: bool
     shm_path: str | None = None      # the shared-memory all-reduce's file, when used
     shm_elems: int = 0
+    master_addr: str = "127.0.0.1"   # where the store and rank 0 are
+    nnodes: int = 1
+    rendezvous_timeout_s: float = 60.0
+    store_is_master: bool | None = None   # False under torchrun: its agent hosts the store
+
+    def flags(self) -> control.RunFlags:
+        return control.RunFlags(control.model_fingerprint(self.folder), str(self.dtype), self.world, self.nnodes)
+
+    def who(self) -> str:
+        return f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()}"
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -57,12 +68,17 @@ def _fault(spec: WorkerSpec) -> tuple[str, int] | None:
     return kind, int(step)
 
 
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Entry point of a spawned worker process."""
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a worker process (spawned by rank 0, by a headless node, or by torchrun)."""
+    conn: Connection | None = None
     try:
         torch.set_num_threads(spec.threads)
         torch.set_grad_enabled(False)
-        store = parallel.make_store(spec.rank, spec.world, spec.port, spec.timeout_s)
+        store = parallel.make_store(spec.rank, spec.world, spec.port, spec.rendezvous_timeout_s,
+                                    spec.master_addr, is_master=False if spec.store_is_master is None
+                                    else spec.store_is_master)
+        conn = control.connect_to_rank0(store, spec.master_addr, spec.rank, spec.flags(), spec.who(),
+                                        spec.rendezvous_timeout_s)
         parallel.init_group(store, spec.rank, spec.world, spec.timeout_s)
         if spec.shm_path:
             parent = os.getppid()
@@ -91,9 +107,15 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             hidden = model(meta.input_ids, meta.positions, MetadataAttention(pool, meta, backend))
             if len(meta.logit_rows):
                 model.compute_logits(hidden[meta.logit_rows])   # sends this rank's logits to rank 0
-    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+    except (EOFError, KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
         pass                                             # rank 0 is gone or Ctrl-C: just leave
+    except control.RendezvousError as e:
+        print(f"[minivllm] {e}", flush=True)            # no rank 0 to tell (or it refused us)
+        raise SystemExit(2)
     except BaseException:
+        if conn is None:
+            traceback.print_exc()
+            raise SystemExit(1)
         try:
             conn.send(("error", f"rank {spec.rank}: {traceback.format_exc()}"))
         except (OSError, ValueError):

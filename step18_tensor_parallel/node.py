@@ -1,0 +1,106 @@
+"""A headless node: this machine's share of the ranks, working for the engine on node 0.
+
+    python -m step18_tensor_parallel.node --model PATH --tensor-parallel-size 2 \\
+        --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500
+
+It spawns one worker per rank of this node (launch.py decides which), each of which dials node 0
+(the store, then rank 0's control socket, control.py) and serves steps until node 0 closes the
+engine. Exit code: 0 when node 0 closed the run, 2 when the rendezvous failed (node 0 never came,
+or refused our flags: the message says which), 1 when a worker failed. Ctrl-C or SIGTERM stops
+every worker of this node; none is left behind.
+
+Under torchrun every rank is its own process already: `run_torchrun_worker()` turns a rank other
+than 0 into a worker in place (the lessons' run.py scripts call it first thing).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from minivllm_support.cli import DTYPES
+from minivllm_support.models import resolve_model
+from step18_tensor_parallel.launch import NodeLaunch, add_launch_flags, launch_from_args, torchrun_rank
+from step18_tensor_parallel.worker import WorkerSpec, worker_main
+
+
+def worker_specs(folder: str, tp: int, dtype: torch.dtype, launch: NodeLaunch, timeout_s: float,
+                 threads: int | None = None, pack_weights: bool = True) -> list[WorkerSpec]:
+    ranks = launch.local_ranks(tp)
+    threads = threads or max(1, (torch.get_num_threads() or 1) // len(ranks))
+    return [WorkerSpec(folder, r, tp, launch.master_port, dtype, threads, timeout_s, pack_weights,
+                       master_addr=launch.master_addr, nnodes=launch.nnodes,
+                       rendezvous_timeout_s=launch.rendezvous_timeout_s) for r in ranks]
+
+
+def run_node(specs: list[WorkerSpec]) -> int:
+    """Spawn the workers, wait for them; the first one that fails stops the others."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(s,), name=f"tp-rank-{s.rank}") for s in specs]
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(True))
+    for p in procs:
+        p.start()
+    try:
+        while any(p.is_alive() for p in procs) and not stop:
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    codes = [p.exitcode for p in procs]
+    if stop:
+        return 0
+    return next((c for c in codes if c not in (0, None) and c > 0), 1 if any(c != 0 for c in codes) else 0)
+
+
+def run_torchrun_worker(model: str, tp: int, dtype: torch.dtype, timeout_s: float = 60.0) -> None:
+    """Under torchrun, on every rank but 0: be that rank's worker, then exit. A no-op elsewhere."""
+    rank = torchrun_rank()
+    if rank is None or rank == 0:
+        return
+    launch = NodeLaunch.from_env()
+    spec = WorkerSpec(str(model), rank, tp, launch.master_port, dtype, torch.get_num_threads(), timeout_s, True,
+                      master_addr=launch.master_addr, nnodes=launch.nnodes,
+                      rendezvous_timeout_s=launch.rendezvous_timeout_s, store_is_master=False)
+    try:
+        worker_main(spec)
+    except SystemExit as e:
+        sys.exit(e.code)
+    sys.exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Run this machine's tensor-parallel ranks for the engine on node 0.")
+    p.add_argument("--model", default=None, help="the checkpoint folder on this machine (same model as node 0)")
+    p.add_argument("--tensor-parallel-size", type=int, required=True)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="must match node 0's")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="collective timeout (as node 0's)")
+    add_launch_flags(p)
+    args = p.parse_args(argv)
+    launch = launch_from_args(args)
+    if launch.node_rank == 0:
+        p.error("node 0 runs the engine itself (run.py, the LLM API or the server with --nnodes); "
+                "this command is for --node-rank 1 and up")
+    specs = worker_specs(str(resolve_model(args.model)), args.tensor_parallel_size, DTYPES[args.dtype], launch,
+                         args.timeout_s, args.threads)
+    print(f"[minivllm] node {launch.node_rank}: ranks {[s.rank for s in specs]} of {args.tensor_parallel_size}, "
+          f"rendezvous at {launch.master_addr}:{launch.master_port}", flush=True)
+    return run_node(specs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
