@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from minivllm_support.cli import DTYPES
+from minivllm_support.cpu import auto_dtype
 from minivllm_support.models import resolve_model
 from step18_tensor_parallel.launch import NodeLaunch, add_launch_flags, launch_from_args, torchrun_rank
 from step18_tensor_parallel.worker import WorkerSpec, worker_main
@@ -86,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run this machine's tensor-parallel ranks for the engine on node 0.")
     p.add_argument("--model", default=None, help="the checkpoint folder on this machine (same model as node 0)")
     p.add_argument("--tensor-parallel-size", type=int, required=True)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="must match node 0's")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="must match node 0's "
+                   "(auto: bf16 where the CPU computes it natively, else fp32; refused at the rendezvous "
+                   "if the nodes differ)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="collective timeout (as node 0's)")
     add_launch_flags(p)
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if launch.node_rank == 0:
         p.error("node 0 runs the engine itself (run.py, the LLM API or the server with --nnodes); "
                 "this command is for --node-rank 1 and up")
-    specs = worker_specs(str(resolve_model(args.model)), args.tensor_parallel_size, DTYPES[args.dtype], launch,
+    dtype = auto_dtype() if args.dtype == "auto" else DTYPES[args.dtype]
+    specs = worker_specs(str(resolve_model(args.model)), args.tensor_parallel_size, dtype, launch,
                          args.timeout_s, args.threads)
     print(f"[minivllm] node {launch.node_rank}: ranks {[s.rank for s in specs]} of {args.tensor_parallel_size}, "
           f"rendezvous at {launch.master_addr}:{launch.master_port}", flush=True)

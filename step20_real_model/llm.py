@@ -52,9 +52,10 @@ class _Tracked:
 class LLM:
     def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = False):
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False, launch=None):
         """model: a local Hugging Face folder; None finds one (MINIVLLM_MODEL, a cached Qwen3-0.6B,
-        else the embedded SmolLM2-135M-Instruct). Weights never come from a hub."""
+        else the embedded SmolLM2-135M-Instruct). Weights never come from a hub. launch: where
+        the tensor-parallel ranks run (lesson 18's launch.NodeLaunch; default: this machine)."""
         if isinstance(dtype, str) and dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]} or a torch dtype, got {dtype!r}")
         self.dtype = auto_dtype() if dtype == "auto" else DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -63,7 +64,8 @@ class LLM:
         torch.set_grad_enabled(False)
         self.engine: LogprobsEngine = build_engine(
             self.model_dir, self.dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager)
+            kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+            launch=launch)
         cfg, bm = self.engine.model.config, self.engine.scheduler.block_manager
         # The longest sequence this engine can hold: the model's positions, or the KV pool
         # (less the block lesson 16 keeps for padded rows), whichever is shorter.

@@ -9,7 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minivllm_support.cpu import auto_dtype
+from minivllm_support.models import resolve_model
+from step18_tensor_parallel.launch import add_launch_flags, launch_from_args
+from step18_tensor_parallel.node import run_torchrun_worker
 from step19_benchmark.faults import EngineDead, FaultPolicy
+from step20_real_model.llm import DTYPES
 from step21_http_serve.server import EXIT_ENGINE_DEAD, build_server, serve
 
 
@@ -30,6 +35,9 @@ def main(argv: list[str] | None = None, build=build_server) -> None:
                    "(default: the checkpoint path)")
     p.add_argument("--enforce-eager", action="store_true", help="skip compiling the decode step "
                    "(fast start-up, slower decoding)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over "
+                   "(lesson 18); with --nnodes > 1 the other nodes run `python -m step18_tensor_parallel.node`")
+    add_launch_flags(p)
     p.add_argument("--max-body-mib", type=int, default=16, help="largest request body accepted")
     p.add_argument("--log-level", default="info")
     p.add_argument("--max-step-faults", type=int, default=3, help="engine step faults within "
@@ -41,12 +49,17 @@ def main(argv: list[str] | None = None, build=build_server) -> None:
     args = p.parse_args(argv)
     if args.max_step_faults < 1 or args.step_fault_window_s <= 0:
         p.error("--max-step-faults must be >= 1 and --step-fault-window-s > 0")
+    if args.node_rank != 0:
+        p.error("nodes other than 0 run headless workers: python -m step18_tensor_parallel.node (same flags)")
+    dtype = auto_dtype() if args.dtype == "auto" else DTYPES[args.dtype]
+    run_torchrun_worker(resolve_model(args.model), args.tensor_parallel_size, dtype)   # torchrun, rank > 0
     app, engine = build(args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_bytes=args.kv_cache_mib * 2**20, enforce_eager=args.enforce_eager,
                                max_body_bytes=args.max_body_mib * 2**20, threaded=False,
                                fault_marker=args.fault_marker,
-                               policy=FaultPolicy(args.max_step_faults, args.step_fault_window_s))
+                               policy=FaultPolicy(args.max_step_faults, args.step_fault_window_s),
+                               tensor_parallel_size=args.tensor_parallel_size, launch=launch_from_args(args))
     print(f"serving {engine.model_name!r} (context {engine.max_model_len} tokens) on http://{args.host}:{args.port}",
           flush=True)
     try:

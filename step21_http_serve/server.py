@@ -30,13 +30,15 @@ from step21_http_serve.async_llm import AsyncLLM
 def build_server(model: str | None = None, *, served_model_name: str | None = None, dtype: str = "auto",
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
                  enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True,
-                 fault_marker: str | None = None, policy: FaultPolicy | None = None):
+                 fault_marker: str | None = None, policy: FaultPolicy | None = None,
+                 tensor_parallel_size: int = 1, launch=None):
     """(the FastAPI app, its AsyncLLM); call the AsyncLLM's shutdown() when done serving.
     threaded=False: `serve` must run it (the engine loop in the calling thread).
     fault_marker: a lesson and soak tool: the step holding a prompt with this text raises.
     policy: when step faults make the engine dead (default: 3 within 60 s)."""
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager)
+              kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
+              tensor_parallel_size=tensor_parallel_size, launch=launch)
     arm_fault_marker(llm, fault_marker)
     engine = AsyncLLM(llm, served_model_name, threaded, policy)
     return build_app(engine, max_body_bytes=max_body_bytes), engine

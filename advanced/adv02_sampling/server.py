@@ -80,10 +80,12 @@ class AdvAsyncLLM(AsyncLLM):
 def build_server(model: str | None = None, *, served_model_name: str | None = None, dtype: str = "auto",
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
                  enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True,
-                 fault_marker: str | None = None, policy: FaultPolicy | None = None):
+                 fault_marker: str | None = None, policy: FaultPolicy | None = None,
+                 tensor_parallel_size: int = 1, launch=None):
     """Lesson 21's build_server with AdvLLM and these request classes: (app, AdvAsyncLLM)."""
     llm = AdvLLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                 kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager)
+                 kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
+                 tensor_parallel_size=tensor_parallel_size, launch=launch)
     arm_fault_marker(llm, fault_marker)
     engine = AdvAsyncLLM(llm, served_model_name, threaded, policy)
     app = build_app(engine, max_body_bytes=max_body_bytes, completion_request=CompletionRequest,
