@@ -1,10 +1,11 @@
 """Lesson 17's engine over `tensor_parallel_size` processes.
 
-    user process = rank 0                              spawned processes = ranks 1 .. tp-1
-    scheduler, block manager, sequences, sampler       (nothing but a model shard and a pool)
+    user process = rank 0                              ranks 1 .. tp-1 (spawned by rank 0, by a
+    scheduler, block manager, sequences, sampler       headless node, or by torchrun: launch.py)
     its model shard and KV pool slice                  their shard and pool slice
+    start:   the rendezvous (workers.py, control.py): every rank dials in, same flags
     step():  schedule
-             metadata --------- pipe, one message ---> receive
+             metadata ---- control socket, one message ---> receive
              forward  <==== all-reduces (gloo/NCCL) ==> forward
              logits   <======= gather of logits ======= logits of their vocabulary part
              sample, update the sequences
@@ -28,7 +29,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from minivllm_support.models import check_model_dir
 from step04_transformer.config import ModelConfig
@@ -46,6 +46,7 @@ from step18_tensor_parallel.metadata import StepMetadata
 from step18_tensor_parallel.model import check_tp_shapes
 from step18_tensor_parallel.shm_allreduce import ShmAllReduce, create_file, shm_supported
 from step18_tensor_parallel.worker import WorkerSpec, model_bytes, worker_main
+from step18_tensor_parallel.workers import WorkerFailed, WorkerSet, shutdown
 
 
 # All-reduces of up to this many tokens (every decode step, small prefill chunks) go through
@@ -56,10 +57,6 @@ SHM_MAX_TOKENS = 256
 def _max_batched_tokens(scheduler) -> int:
     config = getattr(scheduler, "config", scheduler) or SchedulerConfig()
     return config.max_num_batched_tokens
-
-
-class WorkerFailed(RuntimeError):
-    """A tensor-parallel worker raised, died or stopped answering; the engine is closed."""
 
 
 def sampled_rows(batch: ScheduledBatch) -> list[int]:
@@ -73,29 +70,10 @@ def sampled_rows(batch: ScheduledBatch) -> list[int]:
     return rows
 
 
-def _shutdown(procs: list, conns: list[Connection], wait_s: float = 5.0) -> None:
-    """Ask every worker to stop, then make sure: terminate, then kill, whatever is still there."""
-    for conn in conns:
-        try:
-            conn.send_bytes(b"")
-        except (OSError, ValueError):
-            pass
-    for p in procs:
-        p.join(wait_s)
-        if p.is_alive():
-            p.terminate()
-            p.join(2)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for conn in conns:
-        conn.close()
-
-
 def _release(procs: list, conns: list[Connection], shm_path: str | None, threads: int,
              wait_s: float = 5.0) -> None:
     """Everything an engine holds outside its own objects: processes, the group, a shm file."""
-    _shutdown(procs, conns, wait_s)
+    shutdown(procs, conns, wait_s)
     if shm_path and os.path.exists(shm_path):
         os.unlink(shm_path)
     parallel.close_group()
@@ -158,8 +136,8 @@ class TPEngine(Engine):
         self.workers: list = []
         self.conns: list[Connection] = []
         self._threads_before = torch.get_num_threads()
-        local = [r for r in launch.local_ranks(tp) if r != 0] if tp > 1 and not launch.torchrun else []
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // (len(local) + 1 if tp > 1 else 1))
+        ranks_here = len(launch.local_ranks(tp)) if tp > 1 else 1
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // ranks_here)
         torch.set_num_threads(threads)
         if tp == 1:
             full = load_model(folder, dtype)
@@ -176,34 +154,21 @@ class TPEngine(Engine):
             except OSError as e:
                 warnings.warn(f"no room for the shared-memory all-reduce ({e}); using gloo")
                 self.all_reduce = "gloo"
-        try:
-            store = parallel.make_store(0, tp, launch.master_port, launch.rendezvous_timeout_s, launch.master_addr,
-                                        is_master=not launch.torchrun)
-        except Exception as e:  # noqa: BLE001 - a port in use, an address not of this machine
-            raise RuntimeError(f"cannot host the rendezvous on port {launch.master_port}: {e}") from e
-        server = control.ControlServer(store)
-        self.ranks: list[int] = []                # the worker rank of each connection in self.conns
-        ctx = mp.get_context("spawn")          # fresh interpreters: no forked torch thread pools
-        for rank in local:
-            spec = WorkerSpec(str(folder), rank, tp, store.port, dtype, threads, timeout_s, pack_weights,
-                              self.shm_path, shm_elems, launch.master_addr, launch.nnodes,
-                              launch.rendezvous_timeout_s)
-            proc = ctx.Process(target=worker_main, args=(spec,), name=f"tp-rank-{rank}", daemon=True)
-            proc.start()
-            self.workers.append(proc)
+        self.group = ws = WorkerSet(launch, tp, "tp")
+        self.workers, self.conns, self.ranks = ws.procs, ws.conns, ws.ranks
+        for rank in ws.local_ranks():
+            ws.spawn(rank, worker_main, WorkerSpec(str(folder), rank, tp, ws.port, dtype, threads, timeout_s,
+                                                   pack_weights, self.shm_path, shm_elems, launch.master_addr,
+                                                   launch.nnodes, launch.rendezvous_timeout_s))
         # Runs at garbage collection or at interpreter exit, unless close() ran first.
         self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, self.shm_path,
                                            self._threads_before)
         try:
-            flags = control.RunFlags(control.model_fingerprint(folder), str(dtype), tp, launch.nnodes)
-            conns = server.accept_all(list(range(1, tp)), flags, launch.rendezvous_timeout_s,
-                                      lambda r: launch.node_of(r, tp), self._check_spawned)
-            self.ranks += sorted(conns)
-            self.conns += [conns[r] for r in self.ranks]
+            ws.accept(control.RunFlags(control.model_fingerprint(folder), str(dtype), tp, launch.nnodes))
             if launch.multi_node or launch.torchrun:
                 print(f"[minivllm] all {tp} ranks joined:\n{placement_table(placement(tp, 1, launch.nnodes))}",
                       flush=True)
-            parallel.init_group(store, 0, tp, timeout_s)
+            parallel.init_group(ws.store, 0, tp, timeout_s)
             if self.shm_path:
                 workers = self.workers         # not self: the communicator must not keep the engine alive
                 parallel.use_shared_memory(ShmAllReduce(self.shm_path, 0, tp, shm_elems, timeout_s,
@@ -224,7 +189,7 @@ class TPEngine(Engine):
             self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
             for conn in self.conns:
                 conn.send((self.kv_pool.num_blocks, self.kv_pool.block_size, self.attention.name))
-            self.rank_memory += [self._wait_ready(i) for i in range(tp - 1)]
+            self.rank_memory += ws.wait_ready()
         except BaseException as e:
             raise self._fail(e) from e
 
@@ -235,67 +200,15 @@ class TPEngine(Engine):
         if self.tp == 1:
             return super().step()
         try:
-            for p in self.workers:
-                if not p.is_alive():
-                    raise WorkerFailed(f"tensor-parallel {p.name} is not running")
+            self.group.check_alive()
             return super().step()
         except BaseException as e:
             raise self._fail(e) from e
 
     # ---- faults and shutdown ----------------------------------------------------------------
-    def _check_spawned(self) -> None:
-        for p in self.workers:
-            if not p.is_alive():
-                raise WorkerFailed(f"tensor-parallel {p.name} exited with code {p.exitcode} while starting")
-
-    def _proc(self, rank: int):
-        return next((p for p in self.workers if p.name == f"tp-rank-{rank}"), None)
-
-    def _wait_ready(self, i: int) -> dict:
-        conn, rank = self.conns[i], self.ranks[i]
-        proc = self._proc(rank)
-        while True:
-            try:
-                if conn.poll(0.1):
-                    kind, info = conn.recv()
-                    if kind == "error":
-                        raise WorkerFailed(f"tensor-parallel worker failed while starting:\n{info}")
-                    return info
-            except (EOFError, OSError) as e:
-                raise WorkerFailed(f"tensor-parallel rank {rank} closed its connection while starting") from e
-            if proc is not None and not proc.is_alive():
-                raise WorkerFailed(f"tensor-parallel rank {rank} exited with code {proc.exitcode} while starting")
-
-    def _worker_report(self) -> str:
-        """What the workers say about themselves: their tracebacks, or how they ended. A rank on
-        another machine has no process handle here: its connection tells whether it is gone."""
-        lines = []
-        for conn, rank in zip(self.conns, self.ranks):
-            proc = self._proc(rank)
-            try:
-                if conn.poll(0.05):   # a worker that raised wrote this before it exited
-                    kind, info = conn.recv()
-                    if kind == "error":
-                        lines.append(info.rstrip())
-                        continue
-            except (EOFError, OSError):
-                if proc is None:
-                    node = self.launch.node_of(rank, self.tp)
-                    lines.append(f"rank {rank} (node {node}): connection lost: its process or machine is gone")
-                    continue
-            if proc is None:
-                continue
-            proc.join(0.05)
-            if proc.exitcode is None:
-                lines.append(f"rank {rank}: still running but not answering (stopped now)")
-            elif proc.exitcode:
-                how = (f"killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}")
-                lines.append(f"rank {rank}: process ended ({how})")
-        return "\n".join(lines)
-
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' account if they have one."""
-        report = self._worker_report() if self.conns else ""
+        report = self.group.report() if self.tp > 1 else ""
         self.close(wait_s=0.1)            # they are mid-step: no point waiting for a clean stop
         blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
             or "Traceback" in report or "connection lost" in report
