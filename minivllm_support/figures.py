@@ -101,6 +101,8 @@ COMMANDS: list[Command] = [
     _run("advanced/adv04_flash_decoding", "--repeats", "2", what="split-K decode kernel", full=()),
     _run("advanced/adv05_radix_cache", "--max-tokens", "20", *QUICK, what="radix prefix cache vs block hashes",
          full=()),
+    _run("advanced/adv06_pipeline_parallel", *QUICK, what="pipeline parallel: bubbles, bytes between stages, "
+         "cost model", full=()),
     _bench("step14_batched_forward", "bench.py", None, ("--ladder", "--hf-batch", "16"),
            "lesson 14 vs HF generate on the Qwen3-0.6B-shaped bench workload"),
     _bench("step15_flash_attention", "bench.py", ("kernel", "--kernel-length", "2048", "--reps", "3"), ("kernel",),

@@ -1,0 +1,264 @@
+"""Lesson 15/17's engine over `pipeline_parallel_size` processes, with micro-batches in flight.
+
+    rank 0 (the user process)                 rank 1                    ... rank p-1 (last stage)
+    m virtual engines: scheduler + blocks     layers of stage 1             its layers, norm, LM head
+    stage 0: embedding + its layers
+    step k (virtual engine v = k % m):
+      1. complete v's previous micro-batch:  <============ logits of its sampled rows ==========|
+         sample, update its sequences
+      2. schedule v, send the step to all --pipe--> ...
+         run stage 0, isend hidden ============> recv, run, isend ===> ... recv, run, isend --^
+         return at once: rank 0 goes on to step k+1 while stages 1.. work on micro-batch k
+
+With m = 1 every step waits for the whole pipeline before the next is scheduled: stage s
+idles while the others compute. With m >= p, p micro-batches are in flight and every stage
+has work. The micro-batches are vLLM V0's virtual engines (virtual.py).
+
+Failures: as lesson 18. A stage that raises sends its traceback and exits; one that dies
+closes its sockets; either way rank 0's receive fails at once (one that hangs: after
+`timeout_s`) and WorkerFailed carries the workers' own account. The engine is then closed.
+"""
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minivllm_support.models import check_model_dir
+from minivllm_support.timeline import Timeline, measure_offset
+from step04_transformer.config import ModelConfig
+from step05_naive.generate import check_prompt
+from step06_sampler.params import SamplingParams
+from step09_continuous_batching.engine import LLMEngine
+from step09_continuous_batching.sequence import Sequence
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step15_flash_attention.backends import choose_backend
+from step15_flash_attention.engine import fit_block_size
+from step17_cpu_kernels.engine import KernelSampler
+from step18_tensor_parallel import parallel
+from step18_tensor_parallel.engine import WorkerFailed, _release
+from step18_tensor_parallel.metadata import StepMetadata
+from advanced.adv06_pipeline_parallel import p2p
+from advanced.adv06_pipeline_parallel.partition import partition_layers
+from advanced.adv06_pipeline_parallel.stage import Stage, stage_config
+from advanced.adv06_pipeline_parallel.virtual import InFlight, VirtualEngine, step_inputs, virtual_engines
+from advanced.adv06_pipeline_parallel.worker import (StageSpec, prepare_stage, stage_label, stage_report,
+                                                     stage_worker_main, startup_timeout)
+
+
+class PPEngine(LLMEngine):
+    def __init__(self, model: str | Path, scheduler: PagedSchedulerConfig | None = None, *,
+                 pipeline_parallel_size: int = 2, num_micro_batches: int | None = None,
+                 dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None, timeout_s: float = 60.0,
+                 layer_partition=None, attention_backend: str = "auto", fast_path: bool = True):
+        """model: a checkpoint folder (each stage reads only its tensors). num_micro_batches:
+        micro-batches in flight (default p). kv_cache_bytes of the config is a budget per rank.
+        layer_partition: layers per stage, e.g. [14, 16] (default: partition.py's rule)."""
+        folder = check_model_dir(Path(model))
+        cfg, p = ModelConfig.from_pretrained(folder), pipeline_parallel_size
+        bounds = partition_layers(cfg.num_layers, p, layer_partition)      # errors before any process
+        self.stages = [Stage(i, p, a, b) for i, (a, b) in enumerate(bounds)]
+        config = scheduler or PagedSchedulerConfig()
+        if not isinstance(config, PagedSchedulerConfig):
+            raise TypeError("PPEngine needs a PagedSchedulerConfig (block_size, kv_cache_bytes)")
+        self.attention = choose_backend(attention_backend, "cpu")
+        self.config = fit_block_size(config, self.attention)
+        widest = max(self.stages, key=lambda s: s.num_layers)          # every pool gets the same blocks
+        self.num_blocks = self.config.kv_cache_bytes // self.attention.pool_class.bytes_per_block(
+            stage_config(cfg, widest), self.config.block_size, dtype)
+        m = p if num_micro_batches is None else num_micro_batches
+        virtual_engines(self.config, self.num_blocks, m)           # a bad m or a tiny pool: refused now
+        if p > 1 and dist.is_initialized():
+            raise RuntimeError("this process already runs a process group (a TP or PP engine): close() it first")
+        self.pp, self.timeout_s, self.closed = p, timeout_s, False
+        self.workers, self.conns, self.rank_memory = [], [], []
+        self.timeline = Timeline(0, stage_label(self.stages[0]) + " + scheduler, sampler")
+        self.offsets = [0] * p
+        self.bytes_sent = {"hidden": 0, "logits": 0, "metadata": 0}
+        self._threads_before = torch.get_num_threads()
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // p)
+        torch.set_num_threads(threads)
+        port = 0
+        if p > 1:
+            store = parallel.make_store(0, p, 0, startup_timeout(timeout_s))
+            port = store.port
+            ctx = mp.get_context("spawn")
+            for stage in self.stages[1:]:
+                parent, child = ctx.Pipe()
+                spec = StageSpec(str(folder), stage, port, dtype, threads, timeout_s, fast_path)
+                proc = ctx.Process(target=stage_worker_main, args=(spec, child), name=f"pp-rank-{stage.index}",
+                                   daemon=True)
+                proc.start()
+                child.close()
+                self.workers.append(proc)
+                self.conns.append(parent)
+            # Runs at garbage collection or at interpreter exit, unless close() ran first.
+            self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, None, self._threads_before)
+        try:
+            if p > 1:
+                parallel.init_group(store, 0, p, startup_timeout(timeout_s))
+            model0, weights = prepare_stage(StageSpec(str(folder), self.stages[0], port, dtype, threads,
+                                                      timeout_s, fast_path))
+            self.pool = self.attention.pool_class(stage_config(cfg, self.stages[0]), self.num_blocks,
+                                                  self.config.block_size, dtype)
+            self.rank_memory.append({"weight_bytes": weights, "kv_bytes": self.pool.nbytes})
+            for conn in self.conns:
+                conn.send((self.num_blocks, self.config.block_size, self.attention.name))
+            self.rank_memory += [self._wait_ready(i) for i in range(p - 1)]
+            self.offsets[1:] = [measure_offset(conn) for conn in self.conns]
+        except BaseException as e:
+            raise self._fail(e) from e
+        super().__init__(model0, None, sampler=KernelSampler())
+        self.set_micro_batches(m)
+
+    def make_scheduler(self, config):
+        return None           # no engine-wide scheduler: each virtual engine has its own (self.virtual)
+
+    def set_micro_batches(self, m: int) -> None:
+        """Split the KV blocks among m virtual engines (only while nothing is running)."""
+        if self.has_unfinished():
+            raise RuntimeError("set_micro_batches: finish the running requests first")
+        self.virtual, self._next = virtual_engines(self.config, self.num_blocks, m), 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt_ids, params: SamplingParams | None = None) -> Sequence:
+        params = params or SamplingParams()
+        cfg = self.model.config
+        check_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings, params.max_tokens)
+        seq = Sequence(list(prompt_ids), params)
+        min(self.virtual, key=lambda v: v.load).scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return any(v.in_flight or v.scheduler.has_unfinished() for v in getattr(self, "virtual", []))
+
+    # ---- the step: complete this virtual engine's last micro-batch, launch its next ----------
+    def step(self) -> list[Sequence]:
+        if self.closed:
+            raise RuntimeError("this PPEngine is closed (after close() or a worker failure): make a new one")
+        try:
+            for i, proc in enumerate(self.workers):
+                if not proc.is_alive():
+                    raise WorkerFailed(f"pipeline rank {i + 1} is not running")
+            v = self.virtual[self._next % len(self.virtual)]
+            self._next += 1
+            done = self._complete(v) if v.in_flight else []
+            self._launch(v)
+            return done
+        except BaseException as e:
+            raise self._fail(e) from e
+
+    def _launch(self, v: VirtualEngine) -> None:
+        tl, k = self.timeline, self.num_steps
+        with tl.span("schedule", "schedule", step=k, micro_batch=v.index):
+            batch = v.scheduler.schedule()
+            if not batch:
+                return
+            ids, positions, rows, sampled = step_inputs(batch)
+            attn = v.attention(self.pool, batch, self.attention)
+            decodes = sum(1 for s in batch.seqs if s.num_computed_tokens >= s.num_prompt_tokens)
+            if self.conns:
+                msg = p2p.pack_step(p2p.StepHeader(k, v.index, decodes),
+                                    StepMetadata.from_attention(ids, positions, attn, rows))
+                for conn in self.conns:
+                    conn.send_bytes(msg)
+                self.bytes_sent["metadata"] += len(msg) * len(self.conns)
+        self.num_steps += 1
+        with tl.span(f"mb{v.index}", "compute", step=k, micro_batch=v.index,
+                     prefill_tokens=len(ids) - decodes, decode_tokens=decodes):
+            hidden = self.model(ids, positions, attn)
+            logits = self.model.compute_logits(hidden[rows]) if self.pp == 1 and rows else None
+        flight = InFlight(k, batch, sampled, logits)
+        if self.pp > 1:
+            with tl.span("send hidden", "send", step=k, bytes=hidden.numel() * hidden.element_size()):
+                hidden = hidden.contiguous()
+                flight.sends.append((p2p.isend(hidden, 1), hidden))
+                if rows:
+                    flight.logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
+                    flight.recv = p2p.irecv(flight.logits, self.pp - 1)
+            self.bytes_sent["hidden"] += hidden.numel() * hidden.element_size() * (self.pp - 1)
+            self.bytes_sent["logits"] += 0 if flight.logits is None else flight.logits.numel() * 4
+        v.in_flight = flight
+
+    def _complete(self, v: VirtualEngine) -> list[Sequence]:
+        """Wait for the logits of v's micro-batch launched m steps ago; sample; update."""
+        f, tl = v.in_flight, self.timeline
+        with tl.span("wait for logits", "recv", step=f.step):
+            for work, _ in f.sends:
+                p2p.wait(work, f"send of step {f.step} to rank 1", self.timeout_s)
+            if f.recv is not None:
+                p2p.wait(f.recv, f"logits of step {f.step} from rank {self.pp - 1}", self.timeout_s)
+        with tl.span("sample", "sample", step=f.step):
+            tokens = self.sampler(f.logits, [s.params for s in f.sampled],
+                                  [s.generator for s in f.sampled]).tolist() if f.sampled else []
+            v.complete(tokens, self.eos_ids)
+        return f.sampled
+
+    # ---- the timeline ----------------------------------------------------------------------
+    def collect_timelines(self, clear: bool = True) -> list[Timeline]:
+        """Every rank's spans on rank 0's clock (call it between runs, with nothing in flight)."""
+        if any(v.in_flight for v in self.virtual):
+            raise RuntimeError("collect_timelines: micro-batches still in flight; finish the requests first")
+        out = [Timeline.from_dict(self.timeline.to_dict())]
+        for i, conn in enumerate(self.conns):
+            conn.send_bytes(p2p.TIMELINE_REQUEST)
+            if not conn.poll(self.timeout_s):
+                raise self._fail(WorkerFailed(f"pipeline rank {i + 1} did not send its timeline"))
+            kind, info = conn.recv()
+            if kind != "timeline":
+                raise self._fail(WorkerFailed(f"pipeline rank {i + 1} failed:\n{info}"))
+            tl = Timeline.from_dict(info)
+            tl.offset_ns = self.offsets[i + 1]
+            out.append(tl)
+        if clear:
+            self.timeline.clear()
+        return out
+
+    # ---- faults and shutdown: lesson 18's, naming the stage ----------------------------------
+    def _wait_ready(self, i: int) -> dict:
+        conn, proc = self.conns[i], self.workers[i]
+        wait_s = startup_timeout(self.timeout_s) + 60         # joining, then loading the weights
+        deadline = time.perf_counter() + wait_s
+        while time.perf_counter() < deadline:
+            if conn.poll(0.1):
+                kind, info = conn.recv()
+                if kind == "error":
+                    raise WorkerFailed(f"pipeline stage failed while starting:\n{info}")
+                return info
+            if not proc.is_alive():
+                raise WorkerFailed(f"pipeline rank {i + 1} exited with code {proc.exitcode} while starting")
+        raise WorkerFailed(f"pipeline rank {i + 1} did not start within {wait_s:.0f} s")
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """Close everything; return the error to raise: the workers' own account if they have one."""
+        report = stage_report(self.conns, self.workers) if self.workers else ""
+        self.close(wait_s=0.1)
+        blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
+            or "Traceback" in report
+        if isinstance(error, KeyboardInterrupt) or not blamed:
+            return error
+        return WorkerFailed(f"pipeline step failed on rank 0 with: {error}\nworker report:\n{report or '(none)'}")
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the stages, leave the process group, restore rank 0's thread count. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for v in getattr(self, "virtual", []):
+            v.in_flight = None
+        if self.workers:
+            self._finalizer.detach()
+            _release(self.workers, self.conns, None, self._threads_before, wait_s)
+        else:
+            torch.set_num_threads(self._threads_before)
+
+    def __enter__(self) -> "PPEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,70 @@
+"""What travels between the ranks of a pipeline, and how.
+
+    rank 0 --pipe--> every worker: one step message per micro-batch (header + lesson 18's StepMetadata)
+    stage s --gloo isend/irecv--> stage s+1: the hidden states [T, hidden] of that micro-batch
+    last stage --gloo isend--> rank 0: float32 logits [N, vocab] of the rows rank 0 will sample
+
+Tensor parallelism (lesson 18) needs collectives: every rank takes part in every all-reduce.
+A pipeline only needs point-to-point messages between neighbours, and `isend`/`irecv` return
+at once, so a stage can hand its output on and start on the next micro-batch while the bytes
+travel. Messages between two ranks arrive in the order they were sent, so no tags are needed:
+every stage handles micro-batches in the order rank 0 launched them.
+
+A receive waits at most `timeout_s`: a stage that hangs upstream becomes an error downstream
+(gloo's own error names the time-out); one that dies closes its sockets, and the receive fails
+at once.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from step18_tensor_parallel.metadata import StepMetadata
+from step18_tensor_parallel.parallel import CollectiveError
+
+TIMELINE_REQUEST = b"timeline"      # rank 0 asks a worker for its spans (it answers over the pipe)
+
+
+@dataclass
+class StepHeader:
+    step: int              # the engine's launch counter: the same number on every rank's spans
+    micro_batch: int       # which virtual engine launched it
+    decode_tokens: int     # of the step's tokens, how many are decodes (the rest: prompt chunks)
+
+
+def pack_step(header: StepHeader, meta: StepMetadata) -> bytes:
+    head = torch.tensor([header.step, header.micro_batch, header.decode_tokens], dtype=torch.long)
+    return head.numpy().tobytes() + meta.to_bytes()
+
+
+def unpack_step(data: bytes) -> tuple[StepHeader, StepMetadata]:
+    n = 3 * 8
+    head = torch.frombuffer(bytearray(data[:n]), dtype=torch.long).tolist()
+    return StepHeader(*head), StepMetadata.from_bytes(data[n:])
+
+
+def isend(tensor: Tensor, dst: int) -> dist.Work:
+    """Start sending; keep `tensor` alive until the returned work is done."""
+    try:
+        return dist.isend(tensor.contiguous(), dst)
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a closed pair
+        raise CollectiveError(f"send to rank {dst} failed: {e}") from e
+
+
+def irecv(buf: Tensor, src: int) -> dist.Work:
+    try:
+        return dist.irecv(buf, src)
+    except Exception as e:  # noqa: BLE001
+        raise CollectiveError(f"receive from rank {src} failed: {e}") from e
+
+
+def wait(work: dist.Work, what: str, timeout_s: float) -> None:
+    """Wait for a send or receive, at most `timeout_s`; any failure is a CollectiveError."""
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001
+        raise CollectiveError(f"{what} failed: {e}") from e

@@ -1,0 +1,146 @@
+"""One pipeline stage: lesson 04's model with only this stage's layers, loaded strictly.
+
+    checkpoint tensor                  stage 0   middle stages   last stage
+    model.embed_tokens.weight          yes       -               yes, if tied (it is the LM head)
+    model.layers.{i}.*                 i in its range, on exactly one stage
+    model.norm.weight                  -         -               yes
+    lm_head.weight (untied models)     -         -               yes
+
+The stage is built as the whole `CausalLM` on the meta device (no memory), then the layers
+of other stages are swapped for `MissingLayer` placeholders with no weights (vLLM's
+PPMissingLayer), so every parameter keeps its checkpoint name: `model.layers.12.mlp...` is
+called that on the stage that holds layer 12. Each kept layer is renumbered from 0 inside
+the stage, because the stage's KV pool has a slot only for its own layers.
+
+Hidden state between stages: our decoder layer returns `x + mlp(norm(x))`, the residual
+stream in one tensor, so one [T, hidden] tensor goes to the next stage. vLLM's layers keep
+the residual apart (its fused add+RMSNorm kernel adds the residual and normalises in one
+pass, and returns both), so its stages send two tensors, `hidden_states` and `residual`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from step04_transformer.config import ModelConfig
+from step04_transformer.loader import check_all_filled, checkpoint_tensors
+from step04_transformer.model import CausalLM, StepAttention
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    num_stages: int
+    start: int          # first layer it runs
+    end: int            # one past its last layer
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+
+class MissingLayer(nn.Module):
+    """Stands where another stage's layer is: no weights, never called."""
+
+    def forward(self, *args):
+        raise RuntimeError("this layer belongs to another pipeline stage")
+
+
+class DtypeProbe(nn.Module):
+    """Where a middle stage's embedding would be: no weights, but `.weight` tells the dtype and
+    device, which lesson 14/17's model transforms read from `model.model.embed_tokens.weight`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(0, cfg.hidden_size), persistent=False)
+
+    def forward(self, *args):
+        raise RuntimeError("only the first pipeline stage embeds tokens")
+
+
+class StageModel(CausalLM):
+    def __init__(self, cfg: ModelConfig, stage: Stage):
+        super().__init__(cfg)                # on the meta device: nothing is allocated yet
+        self.stage = stage
+        for i in range(cfg.num_layers):
+            if stage.start <= i < stage.end:
+                self.model.layers[i].self_attn.layer_idx = i - stage.start
+            else:
+                self.model.layers[i] = MissingLayer()
+        keeps_embedding = stage.is_first or (stage.is_last and cfg.tie_word_embeddings)
+        if not keeps_embedding:
+            self.model.embed_tokens = DtypeProbe(cfg)
+        if not stage.is_last:
+            self.model.norm, self.lm_head = None, None
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: StepAttention,
+                hidden: Tensor | None = None) -> Tensor:
+        """Stage 0: token ids -> hidden; others: the previous stage's hidden -> hidden. The last
+        stage returns the final-normed hidden states, ready for compute_logits."""
+        cos, sin = self.rotary(positions)
+        x = self.model.embed_tokens(input_ids) if self.stage.is_first else hidden
+        for i in range(self.stage.start, self.stage.end):
+            x = self.model.layers[i](x, cos, sin, attn)
+        return self.model.norm(x) if self.stage.is_last else x
+
+
+def stage_config(cfg: ModelConfig, stage: Stage) -> ModelConfig:
+    """The config the stage's KV pool is sized from: only its layers."""
+    return dataclasses.replace(cfg, num_layers=stage.num_layers)
+
+
+def owned_by(name: str, cfg: ModelConfig, stage: Stage) -> bool:
+    """Does checkpoint tensor `name` belong to this stage? Unknown names are the loader's error."""
+    m = _LAYER.match(name)
+    if m:
+        return stage.start <= int(m.group(1)) < stage.end
+    if name == "model.embed_tokens.weight":
+        return stage.is_first or (stage.is_last and cfg.tie_word_embeddings)
+    if name in ("model.norm.weight", "lm_head.weight"):
+        return stage.is_last
+    return True          # not a known tensor of any stage: let the strict loader name it
+
+
+def load_stage(folder: str | Path, stage: Stage, dtype: torch.dtype = torch.float32) -> StageModel:
+    """Lesson 04's load_model for one stage: reads only its tensors, and still fails naming the
+    tensor on anything that does not line up (missing, unexpected, wrong shape)."""
+    cfg = ModelConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = StageModel(cfg, stage)
+    model = model.to_empty(device="cpu").to(dtype)
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    for file, name, f in checkpoint_tensors(folder):
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue           # a tied head is the embedding (lesson 04 checks that they agree)
+        if not owned_by(name, cfg, stage):
+            continue
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {name!r} ({file}) matches no model parameter")
+        if name in filled:
+            raise KeyError(f"checkpoint tensor {name!r} appears twice")
+        tensor = f.get_tensor(name)
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                             f"model {tuple(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(tensor.to(dtype))
+        filled.add(name)
+    check_all_filled(params, filled, folder)
+    return model.eval().requires_grad_(False)

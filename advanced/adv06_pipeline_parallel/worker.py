@@ -1,0 +1,173 @@
+"""A stage worker (ranks 1 .. p-1): its layers, its KV pool, and a loop over micro-batches.
+
+    per micro-batch, in the order rank 0 launched them:
+        pipe      <- step message (header + metadata)      "wait" span: idle until rank 0 launches
+        gloo      <- hidden [T, hidden] from rank s-1       "recv" span: the upstream stage is late
+        compute      its layers (+ final norm, LM head)     "compute" span: the only useful time
+        gloo      -> hidden to rank s+1, or logits to 0     "send" span: just starts the send
+
+Lesson 18's worker shape (worker.py there): spawned, told everything over a pipe, answers
+("ready", facts) once or ("error", traceback) before it exits, stops on b"" or when rank 0's
+end of the pipe closes. The difference: a tensor-parallel worker runs every step with all
+ranks in lock-step; a stage only waits for its upstream neighbour, so while it computes
+micro-batch k, the stage before it is already on k+1.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from minivllm_support.timeline import Timeline, answer_offset
+from step15_flash_attention.backends import choose_backend
+from step17_cpu_kernels.engine import cpu_fast_path
+from step18_tensor_parallel import parallel
+from step18_tensor_parallel.metadata import MetadataAttention
+from step18_tensor_parallel.worker import model_bytes
+from advanced.adv06_pipeline_parallel import p2p
+from advanced.adv06_pipeline_parallel.stage import Stage, load_stage, stage_config
+
+# Fault injection, lesson 18's style: "raise@N" makes the last stage raise at its N-th
+# micro-batch, "hang@N" makes it stop answering, "exit@N" makes it vanish without a word.
+FAULT_ENV = "MINIVLLM_PP_FAULT"
+MAX_PENDING_SENDS = 8        # sends still travelling; older ones are waited for
+# The rendezvous waits for every process to start, import torch and join, which on a busy
+# machine takes longer than a step may. Every wait of a step passes timeout_s itself.
+STARTUP_TIMEOUT_S = 120.0
+
+
+def startup_timeout(timeout_s: float) -> float:
+    return max(timeout_s, STARTUP_TIMEOUT_S)
+
+
+@dataclass
+class StageSpec:
+    folder: str
+    stage: Stage
+    port: int
+    dtype: torch.dtype
+    threads: int
+    timeout_s: float
+    fast_path: bool
+
+    @property
+    def rank(self) -> int:
+        return self.stage.index
+
+
+def stage_label(stage: Stage) -> str:
+    return f"stage {stage.index} (layers {stage.start}-{stage.end - 1})"
+
+
+def prepare_stage(spec: StageSpec):
+    """The stage's model as the single-process engine runs it (lesson 17's CPU fast path)."""
+    model = load_stage(spec.folder, spec.stage, spec.dtype)
+    weights = model_bytes(model)
+    return (cpu_fast_path(model) if spec.fast_path else model), weights
+
+
+def stage_report(conns: list[Connection], procs: list) -> str:
+    """What the stages say about themselves (rank 0's side): the traceback a stage sent before
+    it exited, or how its process ended, or that it is alive but silent."""
+    lines = []
+    for rank, (conn, proc) in enumerate(zip(conns, procs), start=1):
+        try:
+            if conn.poll(0.05):
+                kind, info = conn.recv()
+                if kind == "error":
+                    lines.append(info.rstrip())
+                    continue
+        except (EOFError, OSError):
+            pass
+        proc.join(0.05)
+        if proc.exitcode is None:
+            lines.append(f"rank {rank}: still running but not answering (stopped now)")
+        elif proc.exitcode:
+            how = f"killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
+            lines.append(f"rank {rank}: process ended ({how})")
+    return "\n".join(lines)
+
+
+def _fault(spec: StageSpec) -> tuple[str, int] | None:
+    value = os.environ.get(FAULT_ENV, "")
+    if "@" not in value or not spec.stage.is_last:
+        return None
+    kind, step = value.split("@", 1)
+    return kind, int(step)
+
+
+def stage_worker_main(spec: StageSpec, conn: Connection) -> None:
+    """Entry point of a spawned stage process."""
+    try:
+        torch.set_num_threads(spec.threads)
+        torch.set_grad_enabled(False)
+        stage = spec.stage
+        startup = startup_timeout(spec.timeout_s)
+        store = parallel.make_store(spec.rank, stage.num_stages, spec.port, startup)
+        parallel.init_group(store, spec.rank, stage.num_stages, startup)
+        model, weights = prepare_stage(spec)
+        num_blocks, block_size, backend_name = conn.recv()
+        backend = choose_backend(backend_name)
+        pool = backend.pool_class(stage_config(model.config, stage), num_blocks, block_size, spec.dtype)
+        conn.send(("ready", {"weight_bytes": weights, "kv_bytes": pool.nbytes}))
+        answer_offset(conn)
+        run_stage(spec, conn, model, pool, backend)
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass                                             # rank 0 is gone or Ctrl-C: just leave
+    except BaseException:
+        try:
+            conn.send(("error", f"rank {spec.rank} ({stage_label(spec.stage)}): {traceback.format_exc()}"))
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(1)
+    finally:
+        parallel.close_group()
+
+
+def run_stage(spec: StageSpec, conn: Connection, model, pool, backend) -> None:
+    stage, hidden_size = spec.stage, model.config.hidden_size
+    tl = Timeline(spec.rank, stage_label(stage))
+    sends: deque = deque()            # (work, tensor): a tensor must outlive its send
+    fault, count = _fault(spec), 0
+    while True:
+        t0 = time.perf_counter_ns()
+        data = conn.recv_bytes()
+        if not data:
+            break                                       # rank 0 is closing the engine
+        if data == p2p.TIMELINE_REQUEST:
+            conn.send(("timeline", tl.to_dict()))
+            tl.clear()
+            continue
+        head, meta = p2p.unpack_step(data)
+        tl.add("wait for rank 0", "wait", t0, time.perf_counter_ns(), step=head.step)
+        count += 1
+        if fault and count == fault[1]:
+            if fault[0] == "hang":
+                time.sleep(3600)
+            if fault[0] == "exit":
+                os._exit(3)
+            raise RuntimeError(f"injected fault ({FAULT_ENV}={fault[0]}@{fault[1]})")
+        T, rows = len(meta.input_ids), meta.logit_rows
+        buf = torch.empty(T, hidden_size, dtype=spec.dtype)
+        with tl.span("recv hidden", "recv", step=head.step, bytes=buf.numel() * buf.element_size()):
+            p2p.wait(p2p.irecv(buf, stage.index - 1), f"receive of step {head.step} from rank {stage.index - 1}",
+                     spec.timeout_s)
+        with tl.span(f"mb{head.micro_batch}", "compute", step=head.step, micro_batch=head.micro_batch,
+                     prefill_tokens=T - head.decode_tokens, decode_tokens=head.decode_tokens):
+            out = model(meta.input_ids, meta.positions, MetadataAttention(pool, meta, backend), buf)
+            if stage.is_last:
+                out = model.compute_logits(out[rows]) if len(rows) else None
+        if out is None:
+            continue                                    # only prompt chunks: nothing to sample
+        dst = 0 if stage.is_last else stage.index + 1
+        with tl.span("send logits" if stage.is_last else "send hidden", "send", step=head.step,
+                     bytes=out.numel() * out.element_size()):
+            while sends and (sends[0][0].is_completed() or len(sends) >= MAX_PENDING_SENDS):
+                p2p.wait(sends.popleft()[0], "an earlier send", spec.timeout_s)
+            out = out.contiguous()
+            sends.append((p2p.isend(out, dst), out))
