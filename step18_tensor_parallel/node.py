@@ -38,10 +38,11 @@ def worker_specs(folder: str, tp: int, dtype: torch.dtype, launch: NodeLaunch, t
                        rendezvous_timeout_s=launch.rendezvous_timeout_s) for r in ranks]
 
 
-def run_node(specs: list[WorkerSpec]) -> int:
-    """Spawn the workers, wait for them; the first one that fails stops the others."""
+def run_node(specs: list, target=worker_main, name: str = "tp") -> int:
+    """Spawn one worker per spec (`target(spec)`, each spec has a .rank), wait for them; the
+    first one that fails stops the others. Other multi-process engines pass their own target."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(s,), name=f"tp-rank-{s.rank}") for s in specs]
+    procs = [ctx.Process(target=target, args=(s,), name=f"{name}-rank-{s.rank}") for s in specs]
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(True))
