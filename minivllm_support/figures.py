@@ -103,6 +103,8 @@ COMMANDS: list[Command] = [
          full=()),
     _run("advanced/adv06_pipeline_parallel", *QUICK, what="pipeline parallel: bubbles, bytes between stages, "
          "cost model", full=()),
+    _run("advanced/adv08_data_parallel", "--conversations", "4", what="DP replicas behind a router: hit rate, "
+         "TTFT/E2EL per policy, cost model, vs one engine", full=()),
     _bench("step14_batched_forward", "bench.py", None, ("--ladder", "--hf-batch", "16"),
            "lesson 14 vs HF generate on the Qwen3-0.6B-shaped bench workload"),
     _bench("step15_flash_attention", "bench.py", ("kernel", "--kernel-length", "2048", "--reps", "3"), ("kernel",),

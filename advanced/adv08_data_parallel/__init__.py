@@ -1,0 +1,1 @@
+"""Advanced lesson 08: data-parallel engine replicas behind a cache-aware router."""

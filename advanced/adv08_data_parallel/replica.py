@@ -1,0 +1,219 @@
+"""One replica: a whole engine in its own process, its own KV pool and prefix cache.
+
+    front end --pipe--> replica: ("add", rid, prompt_ids, params) | ("abort", rid) | ("stack",) | b"" (stop)
+    replica --pipe--> front end: ("ready", facts) once, then per token
+                                 ("event", rid, TokenEvent, logprobs entry, EngineStats),
+                                 ("error", rid, kind, message, EngineStats) when a request fails,
+                                 ("stack", text) when asked where its engine thread is,
+                                 ("timeline", spans) when asked, with trace on (its engine steps),
+                                 ("dead", account) just before it exits
+
+Inside, it is lesson 21's serving stack without HTTP: the engine of lesson 20 (lesson 17's at
+tensor_parallel_size 1, with logprobs) under lesson 21's LogprobFrontEnd, the engine loop in
+the main thread (`drive`, lesson 19: oneDNN is fastest there) and an asyncio loop beside it
+that turns pipe messages into `stream()` calls. So lesson 19's fault rules hold unchanged: a
+failed step ends its own requests (StepFailed), repeated faults make the engine dead
+(EngineDead); the replica then tells the front end why and exits with lesson 21's exit code.
+
+Every message carries the engine's stats: the front end's view of each replica's load is as
+fresh as the last token it produced.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from step19_benchmark.faults import EngineDead, FaultPlan, FaultPolicy, inject_faults
+from minivllm_support.timeline import Timeline
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step20_real_model.engine import LogprobsEngine
+from step21_http_serve.async_llm import LogprobFrontEnd
+from step21_http_serve.server import EXIT_ENGINE_DEAD
+
+# Fault injection, lesson 18's style: "<kind>@<N>[:<replica>]" acts on that replica (default:
+# the last) at its N-th forward call. raise: that call raises (its requests fail, the replica
+# goes on); dead: every call from N raises (3 faults: the engine is dead, the replica exits);
+# hang: the call sleeps for an hour (the front end's watchdog must notice).
+FAULT_ENV = "MINIVLLM_DP_FAULT"
+
+
+@dataclass
+class ReplicaSpec:
+    index: int
+    num_replicas: int
+    folder: str
+    dtype: torch.dtype
+    threads: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_bytes: int
+    enforce_eager: bool
+    trace: bool = False              # record every engine step on a Timeline (run.py's busy share)
+
+
+def parse_fault(value: str, index: int, num_replicas: int) -> tuple[str, int] | None:
+    """(kind, call) when FAULT_ENV names this replica; a malformed value is an error, not ignored."""
+    if not value:
+        return None
+    try:
+        kind, rest = value.split("@", 1)
+        call, _, who = rest.partition(":")
+        call, who = int(call), int(who) if who else num_replicas - 1
+    except ValueError:
+        raise ValueError(f"{FAULT_ENV}={value!r}: expected <raise|dead|hang>@<call>[:<replica>]") from None
+    if kind not in ("raise", "dead", "hang") or call < 1:
+        raise ValueError(f"{FAULT_ENV}={value!r}: kind must be raise, dead or hang and call >= 1")
+    return (kind, call) if who == index else None
+
+
+def trace_steps(engine, tl: Timeline) -> None:
+    """Each engine.step() becomes a "compute" span; the gaps between them are the replica idle."""
+    step = engine.step
+
+    def traced() -> list:
+        with tl.span("step", "compute") as args:
+            sampled = step()
+            args["tokens"] = len(sampled)
+        return sampled
+    engine.step = traced            # AsyncEngine calls engine.step(): the instance attribute wins
+
+
+class HangingRunner:
+    """The runner part, but its `at`-th forward never returns (a stuck kernel, a deadlock)."""
+
+    def __init__(self, runner, at: int):
+        self.runner, self.at, self.calls = runner, at, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        if self.calls == self.at:
+            time.sleep(3600)
+        return self.runner.forward(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+
+def _arm_fault(engine, fault: tuple[str, int] | None) -> None:
+    if fault is None:
+        return
+    kind, call = fault
+    if kind == "hang":
+        engine.runner = HangingRunner(engine.runner, call)
+    else:
+        calls = {call} if kind == "raise" else set(range(call, call + 10_000))
+        inject_faults(engine, FaultPlan(at_calls=calls))
+
+
+def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
+    """Entry point of a spawned replica process."""
+    try:
+        torch.set_num_threads(spec.threads)
+        torch.set_grad_enabled(False)
+        fault = parse_fault(os.environ.get(FAULT_ENV, ""), spec.index, spec.num_replicas)
+        config = PagedSchedulerConfig(max_num_seqs=spec.max_num_seqs, kv_cache_bytes=spec.kv_cache_bytes,
+                                      max_num_batched_tokens=spec.max_num_batched_tokens)
+        # Lesson 20's build_engine, but with this replica's thread count (it would take all cores).
+        engine = LogprobsEngine(spec.folder, config, dtype=spec.dtype, threads_per_rank=spec.threads,
+                                use_graph=not spec.enforce_eager)
+        _arm_fault(engine, fault)
+        tl = Timeline(spec.index, f"replica {spec.index}", enabled=spec.trace)
+        if spec.trace:
+            trace_steps(engine, tl)
+        front = LogprobFrontEnd(engine, threaded=False, policy=FaultPolicy())
+        bm = engine.scheduler.block_manager
+        conn.send(("ready", {"pid": os.getpid(), "num_blocks": bm.num_blocks, "block_size": bm.block_size,
+                             "threads": torch.get_num_threads()}))
+        dead = front.drive(lambda: asyncio.run(_serve(front, engine, conn, tl)))
+        if dead is not None:
+            conn.send(("dead", f"replica {spec.index} (pid {os.getpid()}): {dead}"))
+            raise SystemExit(EXIT_ENGINE_DEAD)
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass                                    # the front end is gone or Ctrl-C: just leave
+    except SystemExit:
+        raise
+    except BaseException:
+        try:
+            conn.send(("dead", f"replica {spec.index} (pid {os.getpid()}):\n{traceback.format_exc()}"))
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(1)
+
+
+async def _serve(front: LogprobFrontEnd, engine, conn: Connection, tl: Timeline) -> EngineDead | None:
+    """The asyncio side: pipe messages in, token events out. Returns the EngineDead that ended
+    the engine, or None after a stop."""
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    tasks: dict[int, asyncio.Task] = {}
+    main_id = threading.main_thread().ident
+    dead: list[EngineDead] = []
+    # Called in the engine (main) thread when the engine is declared dead: wake this loop.
+    front.on_dead = lambda e: loop.call_soon_threadsafe(inbox.put_nowait, ("dead", e))
+
+    def send(msg: tuple) -> None:
+        try:
+            conn.send(msg)
+        except (OSError, ValueError):
+            inbox.put_nowait(None)              # the front end is gone: stop
+
+    def read() -> None:                         # a daemon thread: a blocked read never holds up exit
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                data = b""
+            msg = pickle.loads(data) if data else None
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, msg)
+            except RuntimeError:                # the loop has ended
+                return
+            if msg is None:
+                return
+
+    async def run(rid: int, prompt_ids: list[int], params) -> None:
+        try:
+            async for event, entry in front.stream(prompt_ids, params):
+                send(("event", rid, event, entry, engine.stats()))
+        except asyncio.CancelledError:
+            pass                                # aborted by the front end: stream() aborted it here
+        except Exception as e:  # noqa: BLE001 - the request's own error, sent to its caller
+            send(("error", rid, type(e).__name__, str(e), engine.stats()))
+        finally:
+            tasks.pop(rid, None)
+
+    threading.Thread(target=read, name="replica-pipe", daemon=True).start()
+    while True:
+        msg = await inbox.get()
+        if msg is None:
+            break
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt_ids, params = msg
+            tasks[rid] = asyncio.create_task(run(rid, prompt_ids, params))
+        elif kind == "abort" and msg[1] in tasks:
+            tasks[msg[1]].cancel()
+        elif kind == "stack":
+            frame = sys._current_frames().get(main_id)
+            send(("stack", "".join(traceback.format_stack(frame)) if frame else "(no main thread)"))
+        elif kind == "timeline":
+            send(("timeline", tl.to_dict()))
+            tl.clear()
+        elif kind == "dead":
+            dead.append(msg[1])
+            break
+    if dead and tasks:        # their streams end with the step's error or EngineDead: let them say so
+        await asyncio.wait(list(tasks.values()), timeout=1.0)
+    for task in list(tasks.values()):
+        task.cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)   # their errors went out already
+    return dead[0] if dead else None
