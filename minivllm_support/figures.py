@@ -103,6 +103,8 @@ COMMANDS: list[Command] = [
          full=()),
     _run("advanced/adv06_pipeline_parallel", *QUICK, what="pipeline parallel: bubbles, bytes between stages, "
          "cost model", full=()),
+    _run("advanced/adv07_context_parallel", *QUICK, what="context-parallel prefill: zigzag ring vs one process",
+         full=()),
     _run("advanced/adv08_data_parallel", "--conversations", "4", what="DP replicas behind a router: hit rate, "
          "TTFT/E2EL per policy, cost model, vs one engine", full=()),
     _bench("step14_batched_forward", "bench.py", None, ("--ladder", "--hf-batch", "16"),
@@ -125,6 +127,8 @@ COMMANDS: list[Command] = [
     _bench("step19_benchmark", "microbench.py", (), (), "memory bandwidth, packed linears, kernel build, decode kernel"),
     _bench("step19_benchmark", "thread_cost.py", (), (), "the engine loop in a second thread"),
     _bench("step19_benchmark", "profile_decode.py", ("--batch", "8"), (), "where a decode step's time goes"),
+    _bench("advanced/adv07_context_parallel", "bench.py", ("--lengths", "4096", "8192"), (),
+           "CP memory per rank and prefill time at 16k and 32k tokens (2 layers of SmolLM2)"),
     _bench("advanced/adv04_flash_decoding", "bench_gpu.py", (), (), "Triton decode kernels vs SDPA on a GPU",
            needs="cuda"),
 ]

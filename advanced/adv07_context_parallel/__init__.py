@@ -1,0 +1,1 @@
+"""Advanced lesson 07: context-parallel prefill, ring attention over zigzag chunks, KV into the paged pool."""
