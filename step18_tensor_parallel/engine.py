@@ -87,11 +87,14 @@ class TPRunner(ModelRunner):
     def __init__(self, model, conns: list[Connection]):
         super().__init__(model)
         self.conns = conns
+        self.metadata_bytes = self.metadata_messages = 0    # what the control sockets carried
 
     def forward(self, batch: ScheduledBatch, input_ids, positions, attn):
         data = StepMetadata.from_attention(input_ids, positions, attn, sampled_rows(batch)).to_bytes()
         for conn in self.conns:
             conn.send_bytes(data)
+        self.metadata_bytes += len(data) * len(self.conns)
+        self.metadata_messages += len(self.conns)
         return self.model(input_ids, positions, attn)
 
 
