@@ -1,12 +1,17 @@
 """Advanced lesson 06: pipeline parallelism. The partition rule; stage models that chain to the
-full model; PP engines with several micro-batches in flight and chunked prefill giving the
-single-process tokens (fp32); every worker fault a clear error in seconds with nothing left
-running; a timeline that validates."""
+full model (the LM head on rank 0, tied or not); PP engines with several micro-batches in flight
+and chunked prefill giving the single-process tokens (fp32); every worker fault a clear error in
+seconds with nothing left running; a timeline that validates; two "nodes" on one machine
+(lesson 18's launch path): the same tokens, a node with another layer split refused, a node
+killed mid-run named."""
 from __future__ import annotations
 
 import gc
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,9 +28,13 @@ from step04_transformer.model import SingleSequenceAttention
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_cpu_kernels.engine import build_engine
+from step18_tensor_parallel.control import RendezvousError
 from step18_tensor_parallel.engine import WorkerFailed
+from step18_tensor_parallel.launch import NodeLaunch
 from step18_tensor_parallel.worker import model_bytes
-from advanced.adv06_pipeline_parallel.costmodel import bubble_fractions, fit_stage_costs, hop_samples
+from advanced.adv06_pipeline_parallel.costmodel import (bubble_fractions, fit_hop, fit_lm_head, fit_stage_costs,
+                                                        head_spans, hop_samples, layer_spans, micro_batches,
+                                                        predict_seconds, rank0_overhead)
 from advanced.adv06_pipeline_parallel.engine import PPEngine
 from advanced.adv06_pipeline_parallel.partition import PARTITION_ENV, partition_layers
 from advanced.adv06_pipeline_parallel.stage import Stage, load_stage
@@ -115,9 +124,10 @@ def test_stages_chain_to_the_full_model_and_load_only_their_tensors(tiny4):
     hidden = None
     for st in stages:
         hidden = st(ids, pos, SingleSequenceAttention(), hidden)
-    assert torch.equal(stages[-1].compute_logits(hidden), ref)
+    assert torch.equal(stages[0].compute_logits(hidden), ref)          # the LM head is on rank 0
     names = [set(n for n, _ in st.named_parameters()) for st in stages]
-    assert "model.embed_tokens.weight" in names[0] and "model.embed_tokens.weight" in names[2]  # tied head
+    assert "model.embed_tokens.weight" in names[0] and "model.embed_tokens.weight" not in names[2]
+    assert "model.norm.weight" in names[2] and "model.norm.weight" not in names[0]
     assert {n.split(".")[2] for n in names[1]} == {"1", "2"}                    # nothing but layers 1-2
     layer_names = [n for part in names for n in part if n.startswith("model.layers.")]
     assert sorted(layer_names) == sorted(n for n, _ in full.named_parameters() if n.startswith("model.layers."))
@@ -157,7 +167,7 @@ def test_pp3_equals_single_process_on_tiny_with_micro_batches_in_flight(tiny4, n
             engine.set_micro_batches(m)
             assert len(engine.virtual) == m
             assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref, m
-        assert engine.bytes_sent["hidden"] > 0 and engine.bytes_sent["logits"] > 0
+        assert engine.bytes_sent["hidden"] > 0 and engine.bytes_sent["returned"] > 0
     assert engine.closed and not any(w.is_alive() for w in engine.workers)
     with PPEngine(tiny4, cfg, pipeline_parallel_size=1, num_micro_batches=2, dtype=torch.float32) as one:
         assert one.workers == [] and [s.output_token_ids for s in one.generate(prompts, sp)] == ref   # p = 1
@@ -177,13 +187,14 @@ def test_pp2_two_in_flight_equals_one_process_on_smollm2(smol_dir, smol_fp32, sm
     with PPEngine(smol_dir, cfg, pipeline_parallel_size=2, num_micro_batches=2, dtype=torch.float32) as engine:
         assert [s.output_token_ids for s in engine.generate(smol_prompts, params)] == ref
         tls = engine.collect_timelines()
-        launched = [s for s in tls[0].spans if s.cat == "compute"]
+        launched = layer_spans(tls[0])
         assert {s.args["micro_batch"] for s in launched} == {0, 1}
+        heads = head_spans(tls[0])             # rank 0's LM head over the rows sent back
+        assert heads and sum(s.args["rows"] for s in heads) == sum(len(r) for r in ref)
+        assert head_spans(tls[1]) == [] and {s.name for s in tls[1].spans if s.cat == "send"} == {"send rows"}
         assert any(s.args["prefill_tokens"] and s.args["decode_tokens"] for s in launched)   # mixed steps
-        # Each rank holds its layers; the tied embedding is on both ends (input and LM head).
-        embedding = smol_fp32.model.embed_tokens.weight
-        assert sum(m["weight_bytes"] for m in engine.rank_memory) == \
-            model_bytes(smol_fp32) + embedding.numel() * embedding.element_size()
+        # Each rank holds its layers; the tied embedding (input and LM head) only on rank 0.
+        assert sum(m["weight_bytes"] for m in engine.rank_memory) == model_bytes(smol_fp32)
     # The timeline: valid, one row per rank, every step on both ranks.
     problems = validate_trace(chrome_trace(tls))
     assert problems == []
@@ -193,6 +204,13 @@ def test_pp2_two_in_flight_equals_one_process_on_smollm2(smol_dir, smol_fp32, sm
     assert len(bubbles) == 2 and all(0 <= b < 1 for b in bubbles)
     costs = fit_stage_costs(tls)
     assert len(costs) == 2 and all(c.per_token_s > 0 for c in costs)
+    # What comes back to rank 0: the normed hidden rows it samples, [N, hidden] in the model dtype.
+    row_bytes = smol_fp32.config.hidden_size * 4
+    assert engine.bytes_sent["returned"] == sum(len(r) for r in ref) * row_bytes
+    mbs = micro_batches(tls)
+    assert all(mb.returned_bytes == mb.rows * row_bytes for mb in mbs) and sum(mb.rows for mb in mbs) > 0
+    assert predict_seconds(mbs, costs, fit_hop(hop_samples(tls)), rank0_overhead(tls[0]), 2,
+                           fit_lm_head(tls[0])) > 0
     assert all(h.latency_s >= 0 and h.bytes > 0 for h in hop_samples(tls))
     assert bubble_formula(2, 2) == pytest.approx(1 / 3)
 
@@ -263,3 +281,103 @@ def test_del_with_a_micro_batch_in_flight_leaves_nothing(tiny4, no_leftovers):
         w.join(10)
         assert not w.is_alive()
     assert torch.get_num_threads() == threads           # rank 0's thread count restored
+
+
+def test_untied_model_keeps_its_lm_head_on_rank_0(tmp_path):
+    """An untied checkpoint: lm_head.weight belongs to stage 0 (where the logits are computed),
+    the strict loader names it when it is missing, and the stages still chain to the full model."""
+    folder = build_tiny_qwen3(tmp_path / "untied", num_hidden_layers=4, tie_word_embeddings=False)
+    full = load_model(folder, torch.float32)
+    ids, pos = torch.tensor([3, 8, 100, 7]), torch.arange(4)
+    s0, s1 = load_stage(folder, Stage(0, 2, 0, 2), torch.float32), load_stage(folder, Stage(1, 2, 2, 4), torch.float32)
+    assert "lm_head.weight" in dict(s0.named_parameters()) and s1.lm_head is None
+    hidden = s1(ids, pos, SingleSequenceAttention(), s0(ids, pos, SingleSequenceAttention()))
+    assert torch.equal(s0.compute_logits(hidden), full.compute_logits(full(ids, pos)))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, str(folder / "model.safetensors"))
+    load_stage(folder, Stage(1, 2, 2, 4), torch.float32)                  # the last stage does not need it
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        load_stage(folder, Stage(0, 2, 0, 2), torch.float32)
+
+
+# ---- two "nodes" on one machine: lesson 18's launch path ----------------------------------------
+MULTI_CONFIG = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node1(folder, port: int, *extra: str) -> subprocess.Popen:
+    """`python -m advanced.adv06_pipeline_parallel.node` as its own process tree: node 1."""
+    cmd = [sys.executable, "-m", "advanced.adv06_pipeline_parallel.node", "--model", str(folder),
+           "--pipeline-parallel-size", "2", "--dtype", "fp32", "--nnodes", "2", "--node-rank", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(port), "--rendezvous-timeout-s", "20",
+           "--threads", "1", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _gone(proc: subprocess.Popen, timeout: float = 15) -> str:
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"node 1 still running after {timeout} s:\n{proc.communicate()[0]}")
+
+
+def _launch(port: int) -> NodeLaunch:
+    return NodeLaunch(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, rendezvous_timeout_s=20)
+
+
+def test_two_nodes_give_the_tokens_of_one_process(tiny4, capsys, no_leftovers):
+    prompts = _prompts(512, (20, 17, 3))
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = [s.output_token_ids for s in build_engine(load_model(tiny4, torch.float32), MULTI_CONFIG, use_graph=False)
+           .generate(prompts, sp)]
+    port = _free_port()
+    node1 = _node1(tiny4, port)
+    try:
+        with PPEngine(tiny4, MULTI_CONFIG, pipeline_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
+                      launch=_launch(port)) as engine:
+            assert engine.workers == []                   # stage 1 lives on "node 1"
+            assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+            assert len(engine.collect_timelines()) == 2   # its timeline comes over the control socket
+        assert "rank  node" in capsys.readouterr().out    # the placement table at start-up
+        out = _gone(node1)
+        assert node1.returncode == 0, out
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+
+
+def test_a_node_with_another_layer_split_is_refused(tiny4, no_leftovers):
+    port = _free_port()
+    bad = _node1(tiny4, port, "--partition", "1,3")                # node 0 splits 2,2
+    try:
+        with pytest.raises(RendezvousError, match="pp_layers=2,2.*pp_layers=1,3"):
+            PPEngine(tiny4, MULTI_CONFIG, pipeline_parallel_size=2, dtype=torch.float32, launch=_launch(port))
+        out = _gone(bad)
+        assert bad.returncode == 2 and "refused by rank 0" in out, out
+    finally:
+        if bad.poll() is None:
+            os.killpg(bad.pid, signal.SIGKILL)
+
+
+def test_a_node_killed_mid_run_names_the_lost_rank(tiny4, no_leftovers):
+    port = _free_port()
+    node1 = _node1(tiny4, port)
+    try:
+        engine = PPEngine(tiny4, MULTI_CONFIG, pipeline_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
+                          launch=_launch(port))
+        engine.generate(_prompts(512, (5,)), SamplingParams(max_tokens=5, ignore_eos=True))    # healthy first
+        os.killpg(node1.pid, signal.SIGKILL)                      # the whole machine goes
+        node1.communicate()
+        t0 = time.monotonic()
+        error = _generate_until_failure(engine)
+        assert time.monotonic() - t0 < 10
+        assert "rank 1 (node 1): connection lost" in str(error), error
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)

@@ -2,9 +2,9 @@
 
     measured spans (one run)                fitted model                      prediction
     compute, per stage, with T tokens  -->  stage s: a_s + b_s * T            replay another run's
-    send on s .. recv done on s+1      -->  hop: c + bytes / bandwidth        micro-batches (their T,
-    schedule + sample on rank 0        -->  rank 0: o per micro-batch         rows, in-flight limit m)
-                                                                              through the model
+    LM head on rank 0, N sampled rows  -->  head: h + g * N                   micro-batches (their T,
+    send on s .. recv done on s+1      -->  hop: c + bytes / bandwidth        N, bytes, in-flight
+    schedule + sample on rank 0        -->  rank 0: o per micro-batch         limit m) through it
 
 The replay is a small event simulation of the engine: rank 0 launches micro-batch k once it
 has completed the one launched m steps earlier; stage s starts it when its input has arrived
@@ -24,7 +24,7 @@ from minivllm_support.timeline import Timeline, busy_fraction, window
 class StageCost:
     rank: int
     fixed_s: float           # a: per micro-batch, whatever its size
-    per_token_s: float       # b: per token of the micro-batch
+    per_token_s: float       # b: per token of the micro-batch (for the LM head: per sampled row)
 
     def __call__(self, tokens: int) -> float:
         return self.fixed_s + self.per_token_s * tokens
@@ -75,13 +75,31 @@ def _tokens(args: dict) -> int:
     return args["prefill_tokens"] + args["decode_tokens"]
 
 
+def layer_spans(tl: Timeline) -> list:
+    """A rank's compute spans over its layers, one per micro-batch (not rank 0's LM head)."""
+    return [s for s in tl.spans if s.cat == "compute" and "micro_batch" in s.args]
+
+
+def head_spans(tl: Timeline) -> list:
+    """Rank 0's LM head over the rows the last stage sent back, one per micro-batch that samples."""
+    return [s for s in tl.spans if s.cat == "compute" and "rows" in s.args]
+
+
 def fit_stage_costs(timelines: list[Timeline]) -> list[StageCost]:
     costs = []
     for tl in timelines:
-        spans = [s for s in tl.spans if s.cat == "compute"]
+        spans = layer_spans(tl)
         a, b = _line([_tokens(s.args) for s in spans], [s.dur_ns / 1e9 for s in spans])
         costs.append(StageCost(tl.rank, a, b))
     return costs
+
+
+def fit_lm_head(tl: Timeline) -> StageCost:
+    """Rank 0's LM head: a + b * rows (zero where no span was recorded, e.g. p = 1)."""
+    spans = head_spans(tl)
+    if not spans:
+        return StageCost(tl.rank, 0.0, 0.0)
+    return StageCost(tl.rank, *_line([s.args["rows"] for s in spans], [s.dur_ns / 1e9 for s in spans]))
 
 
 def compute_slowdown(timelines: list[Timeline], costs: list[StageCost]) -> list[float]:
@@ -90,7 +108,7 @@ def compute_slowdown(timelines: list[Timeline], costs: list[StageCost]) -> list[
     other stage on a shared core, another job) slowed the compute itself, which no replay can know."""
     out = []
     for tl, cost in zip(timelines, costs):
-        spans = [s for s in tl.spans if s.cat == "compute"]
+        spans = layer_spans(tl)
         out.append(sum(s.dur_ns for s in spans) / 1e9 / max(1e-12, sum(cost(_tokens(s.args)) for s in spans)))
     return out
 
@@ -118,7 +136,7 @@ def fit_hop(samples: list[HopSample]) -> HopCost:
 
 def rank0_overhead(tl: Timeline) -> tuple[float, float]:
     """Seconds rank 0 spends per launched micro-batch outside the model: (scheduling, sampling)."""
-    launched = max(1, sum(1 for s in tl.spans if s.cat == "compute"))
+    launched = max(1, len(layer_spans(tl)))
     return tuple(sum(s.dur_ns for s in tl.spans if s.cat == cat) / 1e9 / launched for cat in ("schedule", "sample"))
 
 
@@ -126,37 +144,44 @@ def rank0_overhead(tl: Timeline) -> tuple[float, float]:
 class MicroBatch:
     tokens: int
     hidden_bytes: int
-    logit_bytes: int
+    rows: int                # sampled rows: the LM head's work on rank 0
+    returned_bytes: int      # the last stage's normed rows back to rank 0
 
 
 def micro_batches(timelines: list[Timeline]) -> list[MicroBatch]:
     """The micro-batches a run launched, in order, as the replay needs them."""
     sends = {(tl.rank, s.args["step"]): s.args["bytes"] for tl in timelines for s in tl.spans if s.cat == "send"}
+    rows = {s.args["step"]: s.args["rows"] for s in head_spans(timelines[0])}
     last = len(timelines) - 1
     out = []
-    for s in sorted((s for s in timelines[0].spans if s.cat == "compute"), key=lambda s: s.args["step"]):
+    for s in sorted(layer_spans(timelines[0]), key=lambda s: s.args["step"]):
         k = s.args["step"]
-        out.append(MicroBatch(_tokens(s.args), sends.get((0, k), 0), sends.get((last, k), 0) if last else 0))
+        out.append(MicroBatch(_tokens(s.args), sends.get((0, k), 0), rows.get(k, 0),
+                              sends.get((last, k), 0) if last else 0))
     return out
 
 
 def predict_seconds(batches: list[MicroBatch], costs: list[StageCost], hop: HopCost,
-                    overhead_s: tuple[float, float], m: int) -> float:
+                    overhead_s: tuple[float, float], m: int, head: StageCost | None = None) -> float:
     """Wall time of launching `batches` with at most m in flight, by the fitted model: the
-    engine's step k completes micro-batch k-m (wait for its logits, sample), then launches k."""
+    engine's step k completes micro-batch k-m (wait for its rows, LM head, sample), then launches k."""
     p, (schedule_s, sample_s) = len(costs), overhead_s
+    head = head or StageCost(0, 0.0, 0.0)
+
+    def finish(k: int) -> float:          # rank 0's work once micro-batch k is back
+        return (head(batches[k].rows) if batches[k].rows else 0.0) + sample_s
     rank0 = 0.0                       # rank 0's clock
     free = [0.0] * p                  # when each later stage is next free
     done: list[float] = []            # when rank 0 can have each micro-batch's logits
     for k, mb in enumerate(batches):
         if k >= m:
-            rank0 = max(rank0, done[k - m]) + sample_s
+            rank0 = max(rank0, done[k - m]) + finish(k - m)
         rank0 += schedule_s + costs[0](mb.tokens)
         t = rank0
         for s in range(1, p):
             t = max(t + hop(mb.hidden_bytes), free[s]) + costs[s](mb.tokens)
             free[s] = t
-        done.append(t + hop(mb.logit_bytes) if p > 1 and mb.logit_bytes else t)
+        done.append(t + hop(mb.returned_bytes) if p > 1 and mb.returned_bytes else t)
     for k in range(max(0, len(batches) - m), len(batches)):    # the last ones still in flight
-        rank0 = max(rank0, done[k]) + sample_s
+        rank0 = max(rank0, done[k]) + finish(k)
     return rank0

@@ -1,12 +1,12 @@
 """Lesson 15/17's engine over `pipeline_parallel_size` processes, with micro-batches in flight.
 
     rank 0 (the user process)                 rank 1                    ... rank p-1 (last stage)
-    m virtual engines: scheduler + blocks     layers of stage 1             its layers, norm, LM head
-    stage 0: embedding + its layers
+    m virtual engines: scheduler + blocks     layers of stage 1             its layers, final norm
+    stage 0: embedding + its layers, LM head
     step k (virtual engine v = k % m):
-      1. complete v's previous micro-batch:  <============ logits of its sampled rows ==========|
-         sample, update its sequences
-      2. schedule v, send the step to all --pipe--> ...
+      1. complete v's previous micro-batch:  <======= normed hidden of its sampled rows ========|
+         LM head on those rows, sample, update its sequences
+      2. schedule v, send the step to all --control--> ...
          run stage 0, isend hidden ============> recv, run, isend ===> ... recv, run, isend --^
          return at once: rank 0 goes on to step k+1 while stages 1.. work on micro-batch k
 
@@ -14,20 +14,20 @@ With m = 1 every step waits for the whole pipeline before the next is scheduled:
 idles while the others compute. With m >= p, p micro-batches are in flight and every stage
 has work. The micro-batches are vLLM V0's virtual engines (virtual.py).
 
-Failures: as lesson 18. A stage that raises sends its traceback and exits; one that dies
-closes its sockets; either way rank 0's receive fails at once (one that hangs: after
-`timeout_s`) and WorkerFailed carries the workers' own account. The engine is then closed.
+Start, faults and shutdown are lesson 18's WorkerSet (workers.py there): the stages dial rank
+0's control socket, on this machine or on others (`launch`, node.py); a stage that raises
+sends its traceback and exits, one that dies closes its sockets; either way rank 0's receive
+fails at once (one that hangs: after `timeout_s`) and WorkerFailed carries the workers' own
+account. The engine is then closed.
 """
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from minivllm_support.models import check_model_dir
 from minivllm_support.timeline import Timeline, measure_offset
@@ -41,13 +41,15 @@ from step15_flash_attention.backends import choose_backend
 from step15_flash_attention.engine import fit_block_size
 from step17_cpu_kernels.engine import KernelSampler
 from step18_tensor_parallel import parallel
-from step18_tensor_parallel.engine import WorkerFailed, _release
+from step18_tensor_parallel.engine import _release
+from step18_tensor_parallel.launch import NodeLaunch, placement, placement_table
 from step18_tensor_parallel.metadata import StepMetadata
+from step18_tensor_parallel.workers import WorkerFailed, WorkerSet
 from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv06_pipeline_parallel.partition import partition_layers
 from advanced.adv06_pipeline_parallel.stage import Stage, stage_config
 from advanced.adv06_pipeline_parallel.virtual import InFlight, VirtualEngine, step_inputs, virtual_engines
-from advanced.adv06_pipeline_parallel.worker import (StageSpec, prepare_stage, stage_label, stage_report,
+from advanced.adv06_pipeline_parallel.worker import (StageSpec, prepare_stage, run_flags, stage_label,
                                                      stage_worker_main, startup_timeout)
 
 
@@ -55,10 +57,13 @@ class PPEngine(LLMEngine):
     def __init__(self, model: str | Path, scheduler: PagedSchedulerConfig | None = None, *,
                  pipeline_parallel_size: int = 2, num_micro_batches: int | None = None,
                  dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None, timeout_s: float = 60.0,
-                 layer_partition=None, attention_backend: str = "auto", fast_path: bool = True):
+                 layer_partition=None, attention_backend: str = "auto", fast_path: bool = True,
+                 launch: NodeLaunch | None = None):
         """model: a checkpoint folder (each stage reads only its tensors). num_micro_batches:
         micro-batches in flight (default p). kv_cache_bytes of the config is a budget per rank.
-        layer_partition: layers per stage, e.g. [14, 16] (default: partition.py's rule)."""
+        layer_partition: layers per stage, e.g. [14, 16] (default: partition.py's rule).
+        launch: where the stages run (lesson 18's launch.py; default: torchrun's environment if
+        any, else this machine); consecutive stages share a node (placement(tp=1, pp=p, nnodes))."""
         folder = check_model_dir(Path(model))
         cfg, p = ModelConfig.from_pretrained(folder), pipeline_parallel_size
         bounds = partition_layers(cfg.num_layers, p, layer_partition)      # errors before any process
@@ -75,42 +80,45 @@ class PPEngine(LLMEngine):
         virtual_engines(self.config, self.num_blocks, m)           # a bad m or a tiny pool: refused now
         if p > 1 and dist.is_initialized():
             raise RuntimeError("this process already runs a process group (a TP or PP engine): close() it first")
+        self.launch = launch = launch or NodeLaunch.from_env() or NodeLaunch()
+        if p > 1 and launch.node_rank != 0:
+            raise ValueError(f"the engine runs on node 0; node {launch.node_rank} runs its stages headless: "
+                             f"python -m advanced.adv06_pipeline_parallel.node --node-rank {launch.node_rank} ...")
         self.pp, self.timeout_s, self.closed = p, timeout_s, False
-        self.workers, self.conns, self.rank_memory = [], [], []
-        self.timeline = Timeline(0, stage_label(self.stages[0]) + " + scheduler, sampler")
-        self.offsets = [0] * p
-        self.bytes_sent = {"hidden": 0, "logits": 0, "metadata": 0}
+        self.workers, self.conns, self.rank_memory, self.offsets = [], [], [], [0] * p
+        self.timeline = Timeline(0, stage_label(self.stages[0]) + " + scheduler, LM head, sampler")
+        self.bytes_sent = {"hidden": 0, "returned": 0, "metadata": 0}
         self._threads_before = torch.get_num_threads()
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // p)
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // (len(launch.local_ranks(p)) if p > 1 else 1))
         torch.set_num_threads(threads)
-        port = 0
-        if p > 1:
-            store = parallel.make_store(0, p, 0, startup_timeout(timeout_s))
-            port = store.port
-            ctx = mp.get_context("spawn")
-            for stage in self.stages[1:]:
-                parent, child = ctx.Pipe()
-                spec = StageSpec(str(folder), stage, port, dtype, threads, timeout_s, fast_path)
-                proc = ctx.Process(target=stage_worker_main, args=(spec, child), name=f"pp-rank-{stage.index}",
-                                   daemon=True)
-                proc.start()
-                child.close()
-                self.workers.append(proc)
-                self.conns.append(parent)
-            # Runs at garbage collection or at interpreter exit, unless close() ran first.
-            self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, None, self._threads_before)
+        layers = ",".join(str(s.num_layers) for s in self.stages)
+
+        def spec(stage: Stage, port: int = 0) -> StageSpec:
+            return StageSpec(str(folder), stage, port, dtype, threads, timeout_s, fast_path, layers,
+                             launch.master_addr, launch.nnodes, launch.rendezvous_timeout_s)
         try:
             if p > 1:
-                parallel.init_group(store, 0, p, startup_timeout(timeout_s))
-            model0, weights = prepare_stage(StageSpec(str(folder), self.stages[0], port, dtype, threads,
-                                                      timeout_s, fast_path))
+                self.group = ws = WorkerSet(launch, p, "pp", "pipeline")
+                self.workers, self.conns = ws.procs, ws.conns
+                for rank in ws.local_ranks():
+                    ws.spawn(rank, stage_worker_main, spec(self.stages[rank], ws.port))
+                # Runs at garbage collection or at interpreter exit, unless close() ran first.
+                self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, None,
+                                                   self._threads_before)
+                ws.accept(run_flags(str(folder), dtype, p, launch.nnodes, layers))
+                if launch.multi_node or launch.torchrun:
+                    print(f"[minivllm] all {p} stages joined:\n{placement_table(placement(1, p, launch.nnodes))}",
+                          flush=True)
+                parallel.init_group(ws.store, 0, p, startup_timeout(timeout_s))
+            model0, weights = prepare_stage(spec(self.stages[0]))
             self.pool = self.attention.pool_class(stage_config(cfg, self.stages[0]), self.num_blocks,
                                                   self.config.block_size, dtype)
             self.rank_memory.append({"weight_bytes": weights, "kv_bytes": self.pool.nbytes})
             for conn in self.conns:
                 conn.send((self.num_blocks, self.config.block_size, self.attention.name))
-            self.rank_memory += [self._wait_ready(i) for i in range(p - 1)]
-            self.offsets[1:] = [measure_offset(conn) for conn in self.conns]
+            if p > 1:
+                self.rank_memory += ws.wait_ready()
+                self.offsets[1:] = [measure_offset(conn) for conn in self.conns]
         except BaseException as e:
             raise self._fail(e) from e
         super().__init__(model0, None, sampler=KernelSampler())
@@ -142,9 +150,8 @@ class PPEngine(LLMEngine):
         if self.closed:
             raise RuntimeError("this PPEngine is closed (after close() or a worker failure): make a new one")
         try:
-            for i, proc in enumerate(self.workers):
-                if not proc.is_alive():
-                    raise WorkerFailed(f"pipeline rank {i + 1} is not running")
+            if self.pp > 1:
+                self.group.check_alive()
             v = self.virtual[self._next % len(self.virtual)]
             self._next += 1
             done = self._complete(v) if v.in_flight else []
@@ -175,24 +182,28 @@ class PPEngine(LLMEngine):
             logits = self.model.compute_logits(hidden[rows]) if self.pp == 1 and rows else None
         flight = InFlight(k, batch, sampled, logits)
         if self.pp > 1:
-            with tl.span("send hidden", "send", step=k, bytes=hidden.numel() * hidden.element_size()):
+            nbytes = hidden.numel() * hidden.element_size()
+            with tl.span("send hidden", "send", step=k, bytes=nbytes):
                 hidden = hidden.contiguous()
                 flight.sends.append((p2p.isend(hidden, 1), hidden))
-                if rows:
-                    flight.logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
-                    flight.recv = p2p.irecv(flight.logits, self.pp - 1)
-            self.bytes_sent["hidden"] += hidden.numel() * hidden.element_size() * (self.pp - 1)
-            self.bytes_sent["logits"] += 0 if flight.logits is None else flight.logits.numel() * 4
+                if rows:          # the last stage's normed rows: rank 0 runs the LM head on them
+                    flight.rows = torch.empty(len(rows), hidden.shape[1], dtype=hidden.dtype)
+                    flight.recv = p2p.irecv(flight.rows, self.pp - 1)
+            self.bytes_sent["hidden"] += nbytes * (self.pp - 1)
+            self.bytes_sent["returned"] += 0 if flight.rows is None else flight.rows.numel() * hidden.element_size()
         v.in_flight = flight
 
     def _complete(self, v: VirtualEngine) -> list[Sequence]:
-        """Wait for the logits of v's micro-batch launched m steps ago; sample; update."""
+        """Wait for the last stage's rows of v's micro-batch launched m steps ago; LM head; sample."""
         f, tl = v.in_flight, self.timeline
-        with tl.span("wait for logits", "recv", step=f.step):
+        with tl.span("wait for rows", "recv", step=f.step):
             for work, _ in f.sends:
                 p2p.wait(work, f"send of step {f.step} to rank 1", self.timeout_s)
             if f.recv is not None:
-                p2p.wait(f.recv, f"logits of step {f.step} from rank {self.pp - 1}", self.timeout_s)
+                p2p.wait(f.recv, f"hidden rows of step {f.step} from rank {self.pp - 1}", self.timeout_s)
+        if f.rows is not None:
+            with tl.span("lm head", "compute", step=f.step, rows=len(f.rows)):
+                f.logits = self.model.compute_logits(f.rows)
         with tl.span("sample", "sample", step=f.step):
             tokens = self.sampler(f.logits, [s.params for s in f.sampled],
                                   [s.generator for s in f.sampled]).tolist() if f.sampled else []
@@ -205,41 +216,24 @@ class PPEngine(LLMEngine):
         if any(v.in_flight for v in self.virtual):
             raise RuntimeError("collect_timelines: micro-batches still in flight; finish the requests first")
         out = [Timeline.from_dict(self.timeline.to_dict())]
-        for i, conn in enumerate(self.conns):
+        for rank, conn in enumerate(self.conns, start=1):
             conn.send_bytes(p2p.TIMELINE_REQUEST)
-            if not conn.poll(self.timeout_s):
-                raise self._fail(WorkerFailed(f"pipeline rank {i + 1} did not send its timeline"))
-            kind, info = conn.recv()
+            kind, info = conn.recv() if conn.poll(self.timeout_s) else ("silent", "did not send its timeline")
             if kind != "timeline":
-                raise self._fail(WorkerFailed(f"pipeline rank {i + 1} failed:\n{info}"))
-            tl = Timeline.from_dict(info)
-            tl.offset_ns = self.offsets[i + 1]
-            out.append(tl)
+                raise self._fail(WorkerFailed(f"pipeline rank {rank} failed:\n{info}"))
+            out.append(Timeline.from_dict(info))
+            out[-1].offset_ns = self.offsets[rank]
         if clear:
             self.timeline.clear()
         return out
 
-    # ---- faults and shutdown: lesson 18's, naming the stage ----------------------------------
-    def _wait_ready(self, i: int) -> dict:
-        conn, proc = self.conns[i], self.workers[i]
-        wait_s = startup_timeout(self.timeout_s) + 60         # joining, then loading the weights
-        deadline = time.perf_counter() + wait_s
-        while time.perf_counter() < deadline:
-            if conn.poll(0.1):
-                kind, info = conn.recv()
-                if kind == "error":
-                    raise WorkerFailed(f"pipeline stage failed while starting:\n{info}")
-                return info
-            if not proc.is_alive():
-                raise WorkerFailed(f"pipeline rank {i + 1} exited with code {proc.exitcode} while starting")
-        raise WorkerFailed(f"pipeline rank {i + 1} did not start within {wait_s:.0f} s")
-
+    # ---- faults and shutdown: lesson 18's WorkerSet, naming the stage ----------------------
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' own account if they have one."""
-        report = stage_report(self.conns, self.workers) if self.workers else ""
+        report = self.group.report() if self.pp > 1 and hasattr(self, "group") else ""
         self.close(wait_s=0.1)
         blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
-            or "Traceback" in report
+            or "Traceback" in report or "connection lost" in report
         if isinstance(error, KeyboardInterrupt) or not blamed:
             return error
         return WorkerFailed(f"pipeline step failed on rank 0 with: {error}\nworker report:\n{report or '(none)'}")
@@ -251,7 +245,7 @@ class PPEngine(LLMEngine):
         self.closed = True
         for v in getattr(self, "virtual", []):
             v.in_flight = None
-        if self.workers:
+        if hasattr(self, "_finalizer"):
             self._finalizer.detach()
             _release(self.workers, self.conns, None, self._threads_before, wait_s)
         else:

@@ -1,8 +1,10 @@
 """What travels between the ranks of a pipeline, and how.
 
-    rank 0 --pipe--> every worker: one step message per micro-batch (header + lesson 18's StepMetadata)
+    rank 0 --control socket--> every worker: one step message per micro-batch (header + lesson
+                               18's StepMetadata); the same connection lesson 18's workers use
     stage s --gloo isend/irecv--> stage s+1: the hidden states [T, hidden] of that micro-batch
-    last stage --gloo isend--> rank 0: float32 logits [N, vocab] of the rows rank 0 will sample
+    last stage --gloo isend--> rank 0: the final-normed hidden states [N, hidden] of the rows rank 0
+                               will sample (it runs the LM head on them: N x hidden bytes, not N x vocab)
 
 Tensor parallelism (lesson 18) needs collectives: every rank takes part in every all-reduce.
 A pipeline only needs point-to-point messages between neighbours, and `isend`/`irecv` return
@@ -26,7 +28,7 @@ from torch import Tensor
 from step18_tensor_parallel.metadata import StepMetadata
 from step18_tensor_parallel.parallel import CollectiveError
 
-TIMELINE_REQUEST = b"timeline"      # rank 0 asks a worker for its spans (it answers over the pipe)
+TIMELINE_REQUEST = b"timeline"      # rank 0 asks a worker for its spans (it answers over the control socket)
 
 
 @dataclass

@@ -1,16 +1,17 @@
 """Which layers each pipeline stage holds: the partition rule.
 
     30 layers, 4 stages:   stage 0      stage 1      stage 2      stage 3
-                           embedding                              final norm + LM head
+                           embedding, LM head                     final norm
                            layers 0-6   layers 7-14  layers 15-22 layers 23-29
                            (7)          (8)          (8)          (7)
 
 The layers are split as evenly as they can be. When they do not divide, the extra layers
-go to the middle stages, from the second-to-last backwards: the first stage also runs the
-embedding and, more important, the scheduler and the sampler (it is rank 0); the last one
-runs the final norm and the LM head, a [T, vocab] matmul as big as a few layers. vLLM's
-`get_pp_indices` follows the same rule and lets the user override it with a list of layer
-counts (its VLLM_PP_LAYER_PARTITION); so does `partition_layers(..., override=...)`.
+go to the middle stages, from the second-to-last backwards, never to the ends. That is vLLM's
+`get_pp_indices`, where the first stage holds the embedding and the last the LM head. Here the
+first stage carries more (it is rank 0: the scheduler, the LM head, a [rows, vocab] matmul as
+big as a few layers, and the sampler) and the last only the final norm, so the even split
+leaves rank 0 the slowest stage; as in vLLM (its VLLM_PP_LAYER_PARTITION), a list of layer
+counts overrides the rule: `partition_layers(..., override=...)`.
 """
 from __future__ import annotations
 

@@ -18,8 +18,10 @@ from minivllm_support.timing import compare
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_cpu_kernels.engine import build_engine
-from advanced.adv06_pipeline_parallel.costmodel import (bubble_fractions, compute_slowdown, fit_hop, fit_stage_costs,
-                                                        hop_samples, micro_batches, predict_seconds, rank0_overhead)
+from step18_tensor_parallel.launch import add_launch_flags, launch_from_args
+from advanced.adv06_pipeline_parallel.costmodel import (bubble_fractions, compute_slowdown, fit_hop, fit_lm_head,
+                                                        fit_stage_costs, hop_samples, layer_spans, micro_batches,
+                                                        predict_seconds, rank0_overhead)
 from advanced.adv06_pipeline_parallel.engine import PPEngine
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
@@ -53,7 +55,7 @@ def pipelined(engine: PPEngine, m: int, prompts, sp):
         sent = dict(engine.bytes_sent)
         seqs = engine.generate(prompts, sp)
         tls = engine.collect_timelines()
-        launched = sum(1 for s in tls[0].spans if s.cat == "compute")
+        launched = len(layer_spans(tls[0]))
         per_step = {k: (engine.bytes_sent[k] - sent[k]) / launched for k in sent}
         return dict(outputs=[s.output_token_ids for s in seqs], tpot=tpot_ms(seqs), timelines=tls,
                     launched=launched, bytes=per_step)
@@ -62,7 +64,7 @@ def pipelined(engine: PPEngine, m: int, prompts, sp):
 
 def zoom(timelines: list[Timeline], count: int) -> tuple[list[Timeline], range]:
     """The same ranks with only the spans of `count` steps from the middle of the run: readable."""
-    steps = sorted({s.args["step"] for s in timelines[0].spans if s.cat == "compute"})
+    steps = sorted({s.args["step"] for s in layer_spans(timelines[0])})
     keep = range(steps[len(steps) // 2], steps[len(steps) // 2] + count)
     return [Timeline(tl.rank, tl.name, [s for s in tl.spans if s.args.get("step") in keep], tl.offset_ns)
             for tl in timelines], keep
@@ -73,11 +75,12 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (processes)")
     p.add_argument("--micro-batches", default="1,2,4", help="micro-batches in flight to compare; the first "
                    "one's timeline fits the cost model, the others check it")
-    p.add_argument("--partition", default=None, help="layers per stage, e.g. 17,13 (default: the even rule "
-                   "of partition.py); the last stage also runs the LM head")
+    p.add_argument("--partition", default=None, help="layers per stage, e.g. 13,17 (default: the even rule "
+                   "of partition.py); rank 0 (stage 0) also runs the scheduler, the LM head and the sampler")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("build/adv06"), help="folder for the traces and PNGs")
+    add_launch_flags(p)             # node 0 here; the other nodes: python -m advanced.adv06_pipeline_parallel.node
     args = p.parse_args()
     args.repeats = args.repeats or 2
     ms = [int(m) for m in args.micro_batches.split(",")]
@@ -92,7 +95,7 @@ def main() -> None:
     single = build_engine(model, config, use_graph=False)
     threads = max(1, cores // args.pp)
     with PPEngine(folder, config, pipeline_parallel_size=args.pp, dtype=dtype, threads_per_rank=threads,
-                  layer_partition=args.partition) as pp:
+                  layer_partition=args.partition, launch=launch_from_args(args)) as pp:
         print(f"pipeline: {args.pp} processes, {threads} torch thread(s) each; layers per stage "
               f"{[s.num_layers for s in pp.stages]}; weights per rank "
               f"{[round(m['weight_bytes'] / 2**20) for m in pp.rank_memory]} MiB "
@@ -131,17 +134,18 @@ def report(runs, args, ms, dtype, token_bytes: int) -> None:
         b = t.result["bytes"]
         print(f"  m={m}: stages {' '.join(f'{x:.0%}' for x in bubbles)} idle   formula {bubble_formula(args.pp, m):.0%}"
               f"   {t.result['launched']} micro-batches; per micro-batch {b['hidden'] / 1024:.1f} KiB hidden, "
-              f"{b['logits'] / 1024:.0f} KiB logits, {b['metadata'] / 1024:.1f} KiB metadata"
+              f"{b['returned'] / 1024:.1f} KiB normed rows back to rank 0, {b['metadata'] / 1024:.1f} KiB metadata"
               f"\n        trace {'valid' if not problems else problems[:2]}: {trace}, {png} (and _zoom.png)")
 
     fit_tls = pp_runs[0].result["timelines"]
-    costs, hop = fit_stage_costs(fit_tls), fit_hop(hop_samples(fit_tls))
+    costs, hop, head = fit_stage_costs(fit_tls), fit_hop(hop_samples(fit_tls)), fit_lm_head(fit_tls[0])
     overhead = rank0_overhead(fit_tls[0])
     print(f"\ncost model, fitted on the m={ms[0]} run's timeline (a model: least squares over its spans):")
     for c in costs:
         print(f"  stage {c.rank}: {1e3 * c.fixed_s:.2f} ms + {1e6 * c.per_token_s:.1f} us per token")
     size = (f"bytes / {hop.bandwidth / 1e9:.2f} GB/s" if hop.per_byte_s > 0 else
             "no cost per byte that the fit could separate from the fixed cost")
+    print(f"  LM head on rank 0: {1e3 * head.fixed_s:.2f} ms + {1e6 * head.per_token_s:.1f} us per sampled row")
     print(f"  hop: {1e6 * hop.fixed_s:.0f} us + {size} "
           f"({len(hop_samples(fit_tls))} transfers with the receiver waiting)")
     print(f"  rank 0 outside the model: {1e3 * overhead[0]:.2f} ms scheduling + {1e3 * overhead[1]:.2f} ms sampling"
@@ -149,26 +153,28 @@ def report(runs, args, ms, dtype, token_bytes: int) -> None:
     for m, t in zip(ms, pp_runs):
         tls = t.result["timelines"]
         lo, hi = window(tls)
-        predicted = predict_seconds(micro_batches(tls), costs, hop, overhead, m)
+        predicted = predict_seconds(micro_batches(tls), costs, hop, overhead, m, head)
         slow = compute_slowdown(tls, costs)
         print(f"  m={m}: predicted {predicted:.2f} s, measured {(hi - lo) / 1e9:.2f} s (timeline window)"
               f"{'   <- fitted here' if m == ms[0] else ''}; stage compute ran "
               f"{' / '.join(f'{x:.2f}x' for x in slow)} the fitted time")
-    where_it_pays(costs, hop, overhead, args, token_bytes)
+    where_it_pays(costs, head, hop, overhead, args, token_bytes)
 
 
-def where_it_pays(costs, hop, overhead, args, token_bytes: int) -> None:
+def where_it_pays(costs, head, hop, overhead, args, token_bytes: int) -> None:
     """What the fitted numbers say about a pipeline whose stages do not share cores."""
     B = args.requests
     stage = [c(B) for c in costs]
+    stage[0] += head(B) if len(costs) > 1 else 0.0             # rank 0 runs the LM head too
     hidden = B * token_bytes
     print(f"\nwhere it pays, by the model (not measured): a decode micro-batch of {B} tokens costs "
-          f"{' + '.join(f'{1e3 * s:.2f}' for s in stage)} ms over the stages; in one process on one core "
+          f"{' + '.join(f'{1e3 * s:.2f}' for s in stage)} ms over the stages (stage 0's with the LM head); "
+          f"in one process on one core "
           f"that is {1e3 * sum(stage):.2f} ms a step")
     slowest = max(stage[0] + sum(overhead), *stage[1:])
     print(f"  with every stage on its own core and >= {len(costs)} micro-batches in flight, one leaves the "
-          f"pipeline every {1e3 * slowest:.2f} ms (its slowest stage; rank 0's counted with its scheduling and "
-          f"sampling): "
+          f"pipeline every {1e3 * slowest:.2f} ms (its slowest stage; rank 0's counted with its LM head, scheduling "
+          f"and sampling): "
           f"{sum(stage) / slowest:.2f}x one core's rate")
     print(f"  a hop of that micro-batch ({hidden / 1024:.0f} KiB) costs ~{1e6 * hop(hidden):.0f} us, "
           f"{hop(hidden) / max(stage):.0%} of a stage's compute: PP pays where each stage computes much longer "

@@ -1,10 +1,15 @@
 """One pipeline stage: lesson 04's model with only this stage's layers, loaded strictly.
 
-    checkpoint tensor                  stage 0   middle stages   last stage
-    model.embed_tokens.weight          yes       -               yes, if tied (it is the LM head)
+    checkpoint tensor                  stage 0 (rank 0)            middle stages   last stage
+    model.embed_tokens.weight          yes (and the LM head, tied)  -               -
     model.layers.{i}.*                 i in its range, on exactly one stage
-    model.norm.weight                  -         -               yes
-    lm_head.weight (untied models)     -         -               yes
+    model.norm.weight                  -                            -               yes
+    lm_head.weight (untied models)     yes                          -               -
+
+The LM head lives on rank 0, not on the last stage: the last stage applies the final norm and
+sends back only the normed hidden rows that will be sampled ([N, hidden] in the model's dtype:
+for SmolLM2 in bf16, vocab x 4 / (hidden x 2) = 170x fewer bytes than float32 logits), and
+rank 0 computes their logits with the matrix it holds anyway (a tied model's embedding).
 
 The stage is built as the whole `CausalLM` on the meta device (no memory), then the layers
 of other stages are swapped for `MissingLayer` placeholders with no weights (vLLM's
@@ -82,16 +87,15 @@ class StageModel(CausalLM):
                 self.model.layers[i].self_attn.layer_idx = i - stage.start
             else:
                 self.model.layers[i] = MissingLayer()
-        keeps_embedding = stage.is_first or (stage.is_last and cfg.tie_word_embeddings)
-        if not keeps_embedding:
-            self.model.embed_tokens = DtypeProbe(cfg)
+        if not stage.is_first:                # the embedding and the LM head stay on rank 0
+            self.model.embed_tokens, self.lm_head = DtypeProbe(cfg), None
         if not stage.is_last:
-            self.model.norm, self.lm_head = None, None
+            self.model.norm = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: StepAttention,
                 hidden: Tensor | None = None) -> Tensor:
         """Stage 0: token ids -> hidden; others: the previous stage's hidden -> hidden. The last
-        stage returns the final-normed hidden states, ready for compute_logits."""
+        stage returns the final-normed hidden states, for stage 0's compute_logits."""
         cos, sin = self.rotary(positions)
         x = self.model.embed_tokens(input_ids) if self.stage.is_first else hidden
         for i in range(self.stage.start, self.stage.end):
@@ -109,9 +113,9 @@ def owned_by(name: str, cfg: ModelConfig, stage: Stage) -> bool:
     m = _LAYER.match(name)
     if m:
         return stage.start <= int(m.group(1)) < stage.end
-    if name == "model.embed_tokens.weight":
-        return stage.is_first or (stage.is_last and cfg.tie_word_embeddings)
-    if name in ("model.norm.weight", "lm_head.weight"):
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return stage.is_first
+    if name == "model.norm.weight":
         return stage.is_last
     return True          # not a known tensor of any stage: let the strict loader name it
 

@@ -27,12 +27,13 @@ from step18_tensor_parallel.engine import sampled_rows
 
 @dataclass
 class InFlight:
-    """A launched micro-batch whose logits are not back yet."""
+    """A launched micro-batch whose sampled rows are not back yet."""
     step: int
     batch: ScheduledBatch
     sampled: list[Sequence]
-    logits: torch.Tensor | None
-    recv: object = None                        # the pending receive of the logits (p > 1)
+    logits: torch.Tensor | None                # p = 1: computed at launch; else by rank 0 at completion
+    recv: object = None                        # the pending receive of the last stage's rows (p > 1)
+    rows: torch.Tensor | None = None           # their final-normed hidden states [N, hidden]
     sends: list = field(default_factory=list)  # (work, tensor) of the hidden sent to stage 1
 
 

@@ -1,20 +1,24 @@
 """A stage worker (ranks 1 .. p-1): its layers, its KV pool, and a loop over micro-batches.
 
     per micro-batch, in the order rank 0 launched them:
-        pipe      <- step message (header + metadata)      "wait" span: idle until rank 0 launches
+        control   <- step message (header + metadata)      "wait" span: idle until rank 0 launches
         gloo      <- hidden [T, hidden] from rank s-1       "recv" span: the upstream stage is late
-        compute      its layers (+ final norm, LM head)     "compute" span: the only useful time
-        gloo      -> hidden to rank s+1, or logits to 0     "send" span: just starts the send
+        compute      its layers (+ final norm)              "compute" span: the only useful time
+        gloo      -> hidden to rank s+1, or the normed      "send" span: just starts the send
+                     sampled rows [N, hidden] to rank 0
 
-Lesson 18's worker shape (worker.py there): spawned, told everything over a pipe, answers
-("ready", facts) once or ("error", traceback) before it exits, stops on b"" or when rank 0's
-end of the pipe closes. The difference: a tensor-parallel worker runs every step with all
-ranks in lock-step; a stage only waits for its upstream neighbour, so while it computes
-micro-batch k, the stage before it is already on k+1.
+It joins exactly as lesson 18's worker does (worker.py there): dial the store, then rank 0's
+control socket with its flags (control.py), then the process group; so the same function runs
+a stage that rank 0 spawned and one that a headless node spawned on another machine (node.py).
+It answers ("ready", facts) once or ("error", traceback) before it exits, and stops on b"" or
+when rank 0's end of the connection closes. The difference from a tensor-parallel worker: that
+one runs every step in lock-step with all ranks; a stage only waits for its upstream
+neighbour, so while it computes micro-batch k, the stage before it is already on k+1.
 """
 from __future__ import annotations
 
 import os
+import socket
 import time
 import traceback
 from collections import deque
@@ -26,7 +30,7 @@ import torch
 from minivllm_support.timeline import Timeline, answer_offset
 from step15_flash_attention.backends import choose_backend
 from step17_cpu_kernels.engine import cpu_fast_path
-from step18_tensor_parallel import parallel
+from step18_tensor_parallel import control, parallel
 from step18_tensor_parallel.metadata import MetadataAttention
 from step18_tensor_parallel.worker import model_bytes
 from advanced.adv06_pipeline_parallel import p2p
@@ -36,7 +40,7 @@ from advanced.adv06_pipeline_parallel.stage import Stage, load_stage, stage_conf
 # micro-batch, "hang@N" makes it stop answering, "exit@N" makes it vanish without a word.
 FAULT_ENV = "MINIVLLM_PP_FAULT"
 MAX_PENDING_SENDS = 8        # sends still travelling; older ones are waited for
-# The rendezvous waits for every process to start, import torch and join, which on a busy
+# The process group waits for every process to start, import torch and join, which on a busy
 # machine takes longer than a step may. Every wait of a step passes timeout_s itself.
 STARTUP_TIMEOUT_S = 120.0
 
@@ -54,10 +58,26 @@ class StageSpec:
     threads: int
     timeout_s: float
     fast_path: bool
+    layers: str = ""                 # every stage's layer count, "15,15": all nodes must agree
+    master_addr: str = "127.0.0.1"   # where the store and rank 0 are
+    nnodes: int = 1
+    rendezvous_timeout_s: float = 60.0
 
     @property
     def rank(self) -> int:
         return self.stage.index
+
+    def flags(self) -> control.RunFlags:
+        return run_flags(self.folder, self.dtype, self.stage.num_stages, self.nnodes, self.layers)
+
+    def who(self) -> str:
+        return f"pipeline rank {self.rank} on {socket.gethostname()} pid {os.getpid()}"
+
+
+def run_flags(folder: str, dtype: torch.dtype, pp: int, nnodes: int, layers: str) -> control.RunFlags:
+    """Lesson 18's flags; the layer split rides in the model field, so that two nodes that cut
+    the model differently are refused at the rendezvous, naming it, not at the first hidden state."""
+    return control.RunFlags(f"{control.model_fingerprint(folder)} pp_layers={layers}", str(dtype), pp, nnodes)
 
 
 def stage_label(stage: Stage) -> str:
@@ -71,28 +91,6 @@ def prepare_stage(spec: StageSpec):
     return (cpu_fast_path(model) if spec.fast_path else model), weights
 
 
-def stage_report(conns: list[Connection], procs: list) -> str:
-    """What the stages say about themselves (rank 0's side): the traceback a stage sent before
-    it exited, or how its process ended, or that it is alive but silent."""
-    lines = []
-    for rank, (conn, proc) in enumerate(zip(conns, procs), start=1):
-        try:
-            if conn.poll(0.05):
-                kind, info = conn.recv()
-                if kind == "error":
-                    lines.append(info.rstrip())
-                    continue
-        except (EOFError, OSError):
-            pass
-        proc.join(0.05)
-        if proc.exitcode is None:
-            lines.append(f"rank {rank}: still running but not answering (stopped now)")
-        elif proc.exitcode:
-            how = f"killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
-            lines.append(f"rank {rank}: process ended ({how})")
-    return "\n".join(lines)
-
-
 def _fault(spec: StageSpec) -> tuple[str, int] | None:
     value = os.environ.get(FAULT_ENV, "")
     if "@" not in value or not spec.stage.is_last:
@@ -101,15 +99,18 @@ def _fault(spec: StageSpec) -> tuple[str, int] | None:
     return kind, int(step)
 
 
-def stage_worker_main(spec: StageSpec, conn: Connection) -> None:
-    """Entry point of a spawned stage process."""
+def stage_worker_main(spec: StageSpec) -> None:
+    """Entry point of a stage process (spawned by rank 0 or by a headless node)."""
+    conn: Connection | None = None
     try:
         torch.set_num_threads(spec.threads)
         torch.set_grad_enabled(False)
         stage = spec.stage
-        startup = startup_timeout(spec.timeout_s)
-        store = parallel.make_store(spec.rank, stage.num_stages, spec.port, startup)
-        parallel.init_group(store, spec.rank, stage.num_stages, startup)
+        store = parallel.make_store(spec.rank, stage.num_stages, spec.port, spec.rendezvous_timeout_s,
+                                    spec.master_addr, is_master=False)
+        conn = control.connect_to_rank0(store, spec.master_addr, spec.rank, spec.flags(), spec.who(),
+                                        spec.rendezvous_timeout_s)
+        parallel.init_group(store, spec.rank, stage.num_stages, startup_timeout(spec.timeout_s))
         model, weights = prepare_stage(spec)
         num_blocks, block_size, backend_name = conn.recv()
         backend = choose_backend(backend_name)
@@ -117,9 +118,15 @@ def stage_worker_main(spec: StageSpec, conn: Connection) -> None:
         conn.send(("ready", {"weight_bytes": weights, "kv_bytes": pool.nbytes}))
         answer_offset(conn)
         run_stage(spec, conn, model, pool, backend)
-    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+    except (EOFError, KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
         pass                                             # rank 0 is gone or Ctrl-C: just leave
+    except control.RendezvousError as e:
+        print(f"[minivllm] {e}", flush=True)            # no rank 0 to tell (or it refused us)
+        raise SystemExit(2)
     except BaseException:
+        if conn is None:
+            traceback.print_exc()
+            raise SystemExit(1)
         try:
             conn.send(("error", f"rank {spec.rank} ({stage_label(spec.stage)}): {traceback.format_exc()}"))
         except (OSError, ValueError):
@@ -160,12 +167,12 @@ def run_stage(spec: StageSpec, conn: Connection, model, pool, backend) -> None:
         with tl.span(f"mb{head.micro_batch}", "compute", step=head.step, micro_batch=head.micro_batch,
                      prefill_tokens=T - head.decode_tokens, decode_tokens=head.decode_tokens):
             out = model(meta.input_ids, meta.positions, MetadataAttention(pool, meta, backend), buf)
-            if stage.is_last:
-                out = model.compute_logits(out[rows]) if len(rows) else None
+            if stage.is_last:                           # rank 0 runs the LM head on these rows
+                out = out[rows] if len(rows) else None
         if out is None:
             continue                                    # only prompt chunks: nothing to sample
         dst = 0 if stage.is_last else stage.index + 1
-        with tl.span("send logits" if stage.is_last else "send hidden", "send", step=head.step,
+        with tl.span("send rows" if stage.is_last else "send hidden", "send", step=head.step,
                      bytes=out.numel() * out.element_size()):
             while sends and (sends[0][0].is_completed() or len(sends) >= MAX_PENDING_SENDS):
                 p2p.wait(sends.popleft()[0], "an earlier send", spec.timeout_s)
