@@ -41,6 +41,7 @@ class RunFlags:
     dtype: str
     world: int          # ranks in the whole run
     nnodes: int
+    extra: str = ""     # what a particular engine must also agree on (a pipeline's layer split, ...)
 
     def mismatch(self, other: "RunFlags") -> str | None:
         for name, mine in asdict(self).items():

@@ -79,12 +79,13 @@ def torchrun_rank(env=os.environ) -> int | None:
     return int(env["RANK"]) if all(v in env for v in TORCHRUN_VARS) else None
 
 
-def add_launch_flags(parser) -> None:
-    """The multi-node flags, for every entry point that starts a multi-process engine."""
+def add_launch_flags(parser, node_command: str = "python -m step18_tensor_parallel.node") -> None:
+    """The multi-node flags, for every entry point that starts a multi-process engine; node_command:
+    what the other nodes run (named in the help)."""
     g = parser.add_argument_group("several machines (default: this one)")
     g.add_argument("--nnodes", type=int, default=1, help="machines the ranks span")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1 "
-                   "(node 0 runs the engine; the others run `python -m step18_tensor_parallel.node`)")
+                   f"(node 0 runs the engine; the others run `{node_command}`)")
     g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, as the others reach it")
     g.add_argument("--master-port", type=int, default=0, help="the rendezvous port on node 0 (any free "
                    "port; needed with --nnodes > 1)")

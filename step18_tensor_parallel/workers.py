@@ -13,6 +13,7 @@ shutdown are written once, and every engine works across machines the same way.
 """
 from __future__ import annotations
 
+import time
 from multiprocessing.connection import Connection
 
 import torch.multiprocessing as mp
@@ -89,13 +90,17 @@ class WorkerSet:
             if not p.is_alive():
                 raise WorkerFailed(f"{self.what} {p.name} exited with code {p.exitcode}")
 
-    def wait_ready(self) -> list[dict]:
-        """Each worker's ("ready", facts) after it loaded its part, in rank order."""
-        return [self._ready(conn, rank) for conn, rank in zip(self.conns, self.ranks)]
+    def wait_ready(self, timeout_s: float = 600.0) -> list[dict]:
+        """Each worker's ("ready", facts) after it loaded its part, in rank order. A worker on another
+        machine that stays silent (alive, connected, stuck loading) fails after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        return [self._ready(conn, rank, deadline) for conn, rank in zip(self.conns, self.ranks)]
 
-    def _ready(self, conn: Connection, rank: int) -> dict:
+    def _ready(self, conn: Connection, rank: int, deadline: float) -> dict:
         proc = self.proc(rank)
         while True:
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"{self.what} rank {rank} did not finish starting (loading its part) in time")
             try:
                 if conn.poll(0.1):
                     kind, info = conn.recv()

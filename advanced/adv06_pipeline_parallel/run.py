@@ -80,7 +80,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("build/adv06"), help="folder for the traces and PNGs")
-    add_launch_flags(p)             # node 0 here; the other nodes: python -m advanced.adv06_pipeline_parallel.node
+    add_launch_flags(p, "python -m advanced.adv06_pipeline_parallel.node")
     args = p.parse_args()
     args.repeats = args.repeats or 2
     ms = [int(m) for m in args.micro_batches.split(",")]

@@ -75,9 +75,9 @@ class StageSpec:
 
 
 def run_flags(folder: str, dtype: torch.dtype, pp: int, nnodes: int, layers: str) -> control.RunFlags:
-    """Lesson 18's flags; the layer split rides in the model field, so that two nodes that cut
-    the model differently are refused at the rendezvous, naming it, not at the first hidden state."""
-    return control.RunFlags(f"{control.model_fingerprint(folder)} pp_layers={layers}", str(dtype), pp, nnodes)
+    """Lesson 18's flags plus the layer split, so that two nodes that cut the model differently
+    are refused at the rendezvous, naming it, not at the first hidden state."""
+    return control.RunFlags(control.model_fingerprint(folder), str(dtype), pp, nnodes, extra=f"pp_layers={layers}")
 
 
 def stage_label(stage: Stage) -> str:
