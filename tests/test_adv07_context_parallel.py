@@ -1,12 +1,16 @@
 """Advanced lesson 07: context-parallel prefill with ring attention. Zigzag balances the causal
 work; the ring's merge equals full attention; cp = 2 and 3 leave the single-process engine's K/V
 in the pool and produce its tokens (fp32); every worker fault is a clear error within seconds
-with nothing left running; the timeline validates."""
+with nothing left running; the timeline validates; a second "machine" (lesson 18's node
+launch on loopback) gives the same tokens, and a node that never joins is named."""
 from __future__ import annotations
 
 import gc
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -25,7 +29,9 @@ from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_cpu_kernels.engine import build_engine
-from step18_tensor_parallel.engine import WorkerFailed
+from step18_tensor_parallel.control import RendezvousError
+from step18_tensor_parallel.launch import NodeLaunch
+from step18_tensor_parallel.workers import WorkerFailed
 
 
 def _children() -> list[psutil.Process]:
@@ -227,3 +233,50 @@ def test_gc_leaves_nothing_and_bad_sizes_are_refused(tiny_qwen3_dir, no_leftover
         assert not p.is_alive()
     with pytest.raises(ValueError, match="context_parallel_size must be an int >= 1"):
         CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=0)
+
+
+# ---- two "machines" on loopback (lesson 18's NodeLaunch) ------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_second_node_gives_the_same_tokens(tiny_qwen3_dir, no_leftovers):
+    prompt, sp = _prompt(61, 512), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = build_engine(load_model(tiny_qwen3_dir, torch.float32), CONFIG, use_graph=False)
+    want = ref.generate([prompt], sp)[0].output_token_ids
+    port = _free_port()
+    node1 = subprocess.Popen([sys.executable, "-m", "advanced.adv07_context_parallel.node", "--model",
+                              str(tiny_qwen3_dir), "--context-parallel-size", "2", "--dtype", "fp32", "--threads", "1",
+                              "--nnodes", "2", "--node-rank", "1", "--master-port", str(port),
+                              "--rendezvous-timeout-s", "30", "--timeout-s", "20"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        launch = NodeLaunch(nnodes=2, node_rank=0, master_port=port, rendezvous_timeout_s=30)
+        with CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
+                      timeout_s=20, min_cp_tokens=8, launch=launch) as engine:
+            assert engine.workers == [] and engine.group.ranks == [1]          # rank 1 lives on "node 1"
+            assert engine.generate([prompt], sp)[0].output_token_ids == want
+            assert engine.last_prefill["layout"].T == len(prompt)              # it went over the ring
+            engine.zigzag = False           # contiguous: rank 1 holds the last token and sends its row
+            seq = engine.prefill_prompt(prompt, sp)
+            while engine.has_unfinished():
+                engine.step()
+            assert seq.output_token_ids == want
+        out, _ = node1.communicate(timeout=20)                  # node 0 closed the run: node 1 ends, code 0
+        assert node1.returncode == 0, out
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.communicate()
+
+
+def test_a_node_that_never_joins_is_named(tiny_qwen3_dir, no_leftovers):
+    launch = NodeLaunch(nnodes=2, node_rank=0, master_port=_free_port(), rendezvous_timeout_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"node rank\(s\) \[1\] never joined"):
+        CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32, launch=launch)
+    assert time.monotonic() - t0 < 15
+    with pytest.raises(ValueError, match="runs on node 0"):
+        CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, launch=NodeLaunch(2, 1, master_port=29500))

@@ -1,10 +1,11 @@
 """Lesson 17's engine, whose long prompts are prefilled by `context_parallel_size` processes.
 
-    user process = rank 0                                spawned processes = ranks 1 .. cp-1
-    engine: scheduler, block manager, paged KV pool      a full copy of the model each
+    user process = rank 0                                ranks 1 .. cp-1 (spawned by rank 0,
+    engine: scheduler, block manager, paged KV pool      or by node.py on another machine)
+                                                         a full copy of the model each
     add_request(long prompt):
       allocate the prompt's blocks
-      job ---------------- pipe, one message ----------> receive
+      job ------------ control socket, one message ----> receive
       forward of its own tokens  <== ring of K/V ==>     forward of their own tokens
         (every K/V block passing by -> its paged pool)
       last token's hidden row (rank 0 holds it) -> logits -> first token
@@ -19,10 +20,12 @@ the single-process engine's: the tokens are those of a single-process run.
 A prompt shorter than `min_cp_tokens` (or arriving when no seat or no blocks are free) goes
 the ordinary way: the scheduler's prefill in rank 0.
 
-Failures (lesson 18's contract): a worker that raises sends its traceback and exits, one that
-is killed closes its connections: rank 0's next ring hop fails within milliseconds, a worker
-that hangs within `timeout_s`. Rank 0 adds the workers' own words, stops them and raises
-WorkerFailed; the engine is then closed.
+The workers start, report and stop through lesson 18's WorkerSet (workers.py there): they dial
+rank 0 over its control socket with the run's flags, on this machine or others (`launch`).
+Failures follow its contract: a worker that raises sends its traceback and exits, one that is
+killed closes its connections: rank 0's next ring hop fails within milliseconds, a worker that
+hangs within `timeout_s`. Rank 0 adds the workers' own words (WorkerSet.report), stops them and
+raises WorkerFailed; the engine is then closed.
 """
 from __future__ import annotations
 
@@ -33,11 +36,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from advanced.adv07_context_parallel.memory import PeakMeter, exact_rss
 from advanced.adv07_context_parallel.ring import Ring, time_hops
-from advanced.adv07_context_parallel.worker import CPWorkerSpec, prefill_share, start_timeout, worker_main
+from advanced.adv07_context_parallel.worker import CPWorkerSpec, prefill_share, run_flags, start_timeout, worker_main
 from advanced.adv07_context_parallel.zigzag import make_layout
 from minivllm_support.models import check_model_dir
 from minivllm_support.timeline import Timeline, measure_offset
@@ -50,7 +52,9 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step15_flash_attention.engine import Engine
 from step17_cpu_kernels import engine as lesson17
 from step18_tensor_parallel import parallel
-from step18_tensor_parallel.engine import WorkerFailed, _release
+from step18_tensor_parallel.engine import _release
+from step18_tensor_parallel.launch import NodeLaunch
+from step18_tensor_parallel.workers import WorkerFailed, WorkerSet
 from step18_tensor_parallel.worker import model_bytes
 
 
@@ -58,27 +62,34 @@ class CPEngine(Engine):
     def __init__(self, model: str | Path, scheduler: PagedSchedulerConfig | None = None, *,
                  context_parallel_size: int = 2, dtype: torch.dtype = torch.bfloat16,
                  threads_per_rank: int | None = None, timeout_s: float = 60.0, zigzag: bool = True,
-                 min_cp_tokens: int = 256, exact_memory: bool = False):
+                 min_cp_tokens: int = 256, exact_memory: bool = False,
+                 launch: NodeLaunch | None = None):
         """model: a checkpoint folder (every rank loads all of it). threads_per_rank: torch
         threads of each rank (default: the cores shared out; close() restores rank 0's).
         timeout_s: how long a ring hop may wait for a silent rank. zigzag=False: contiguous
         pieces (the unbalanced split, kept to measure it). exact_memory: every rank's large
         allocations go back to the kernel when freed (memory.py), so each prefill's peak memory
         is its own, for benchmarks (it changes the C allocator of this process too). Every rank
-        applies lesson 17's model transforms, so all run the same numerics."""
+        applies lesson 17's model transforms, so all run the same numerics. launch: where the
+        ranks run (lesson 18's launch.py; default: this machine)."""
         folder = check_model_dir(Path(model))
         cp = context_parallel_size
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
             raise ValueError(f"context_parallel_size must be an int >= 1, got {cp!r}")
         if cp > 1 and dist.is_initialized():
             raise RuntimeError("this process already runs a process group (another CP or TP engine): close() it first")
+        launch = launch or NodeLaunch.from_env() or NodeLaunch()
+        if cp > 1 and (launch.torchrun or launch.node_rank != 0):
+            raise ValueError("CPEngine runs on node 0 without torchrun: it starts its workers itself "
+                             "(the other nodes with `python -m advanced.adv07_context_parallel.node`)")
         self.cp, self.zigzag, self.min_cp_tokens, self.timeout_s = cp, zigzag, max(min_cp_tokens, 2 * cp), timeout_s
         self.closed, self.workers, self.conns, self.jobs = False, [], [], 0
         self.last_prefill: dict | None = None          # what the last CP prefill measured
         self._threads_before = torch.get_num_threads()
         if exact_memory:
             exact_rss()
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // cp)
+        ranks_here = len(launch.local_ranks(cp)) if cp > 1 else 1     # also checks cp against --nnodes
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // ranks_here)
         torch.set_num_threads(threads)
         full = load_model(folder, dtype)
         self.weight_bytes = model_bytes(full)
@@ -87,27 +98,23 @@ class CPEngine(Engine):
         if exact_memory:       # the pool resident now: a prefill's peak is then activations only
             for t in self.kv_pool.k + self.kv_pool.v:
                 t.zero_()
-        self._finalizer, self.offsets = None, []
+        self._finalizer, self.offsets, self.group = None, [], None
         if cp == 1:
             return
-        store = parallel.make_store(0, cp, 0, start_timeout(timeout_s))
-        ctx = mp.get_context("spawn")          # fresh interpreters: no forked torch thread pools
-        for rank in range(1, cp):
-            parent, child = ctx.Pipe()
-            spec = CPWorkerSpec(str(folder), rank, cp, store.port, dtype, threads, timeout_s, exact_memory)
-            proc = ctx.Process(target=worker_main, args=(spec, child), name=f"cp-rank-{rank}", daemon=True)
-            proc.start()
-            child.close()
-            self.workers.append(proc)
-            self.conns.append(parent)
+        self.group = ws = WorkerSet(launch, cp, "cp", "context-parallel")
+        self.workers, self.conns = ws.procs, ws.conns
+        for rank in ws.local_ranks():
+            ws.spawn(rank, worker_main, CPWorkerSpec(str(folder), rank, cp, ws.port, dtype, threads, timeout_s,
+                                                     exact_memory, launch.master_addr, launch.nnodes,
+                                                     launch.rendezvous_timeout_s))
         # Runs at garbage collection or at interpreter exit, unless close() ran first.
         self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, None, self._threads_before)
         try:
-            parallel.init_group(store, 0, cp, start_timeout(timeout_s))
+            ws.accept(run_flags(folder, dtype, cp, launch.nnodes))       # same model, dtype, sizes everywhere
+            parallel.init_group(ws.store, 0, cp, start_timeout(timeout_s, launch.rendezvous_timeout_s))
             self.ring = Ring(0, cp, timeout_s)
-            for i in range(cp - 1):
-                self._receive(i, "ready", timeout_s + 120)      # loading the weights takes a while
-                self.offsets.append(measure_offset(self.conns[i]))
+            ws.wait_ready()                                   # loading the weights takes a while
+            self.offsets = [measure_offset(conn) for conn in self.conns]
         except BaseException as e:
             raise self._fail(e) from e
 
@@ -168,7 +175,7 @@ class CPEngine(Engine):
             reports = [self._receive(i, "done", self.timeout_s) for i in range(self.cp - 1)]
         wall = time.perf_counter() - t0
         holder = layout.rank_of_last_token()         # zigzag: rank 0 (the last chunk is its own)
-        last = hidden[-1] if holder == 0 else reports[holder - 1]["last_hidden"]
+        last = hidden[-1] if holder == 0 else torch.from_numpy(reports[holder - 1]["last_hidden"]).to(hidden.dtype)
         with tl.span("sample", "sample", prompt=T):
             logits = self.compute_logits(last[None])
             token = int(self.sampler(logits, [seq.params], [seq.generator])[0])
@@ -210,46 +217,28 @@ class CPEngine(Engine):
 
     # ---- faults and shutdown -------------------------------------------------------------------
     def _receive(self, i: int, kind: str, timeout_s: float) -> dict:
-        """Worker i's next message, which must be `kind`; its error or its death raise."""
-        conn, proc, deadline = self.conns[i], self.workers[i], time.monotonic() + timeout_s
+        """Worker i's next message, which must be `kind`; its error, its death or silence raise."""
+        conn, rank, deadline = self.conns[i], self.group.ranks[i], time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if conn.poll(0.05):
-                got, info = conn.recv()
-                if got == "error":
-                    raise WorkerFailed(f"context-parallel worker failed:\n{info}")
-                if got != kind:
-                    raise RuntimeError(f"rank {i + 1} answered {got!r}, expected {kind!r}")
-                return info
-            if not proc.is_alive():
-                raise WorkerFailed(f"context-parallel rank {i + 1} exited with code {proc.exitcode}")
-        raise WorkerFailed(f"context-parallel rank {i + 1}: no {kind!r} within {timeout_s:.0f} s")
-
-    def _worker_report(self) -> str:
-        """What the workers say about themselves: their tracebacks, or how they ended."""
-        lines = []
-        for i, (conn, proc) in enumerate(zip(self.conns, self.workers)):
             try:
-                if conn.poll(0.2):    # a worker that raised wrote this before it exited
-                    kind, info = conn.recv()
-                    if kind == "error":
-                        lines.append(info.rstrip())
-                        continue
-            except (EOFError, OSError):
-                pass
-            proc.join(0.2)
-            if proc.exitcode is None:
-                lines.append(f"rank {i + 1}: still running but not answering (stopped now)")
-            elif proc.exitcode:
-                how = f"killed by signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
-                lines.append(f"rank {i + 1}: process ended ({how})")
-        return "\n".join(lines)
+                if conn.poll(0.05):
+                    got, info = conn.recv()
+                    if got == "error":
+                        raise WorkerFailed(f"context-parallel worker failed:\n{info}")
+                    if got != kind:
+                        raise RuntimeError(f"rank {rank} answered {got!r}, expected {kind!r}")
+                    return info
+            except (EOFError, OSError) as e:
+                raise WorkerFailed(f"context-parallel rank {rank} closed its connection") from e
+            self.group.check_alive()
+        raise WorkerFailed(f"context-parallel rank {rank}: no {kind!r} within {timeout_s:.0f} s")
 
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' account if they have one."""
-        report = self._worker_report() if self.workers else ""
+        report = self.group.report() if self.group else ""
         self.close(wait_s=0.1)
         blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
-            or "Traceback" in report
+            or "Traceback" in report or "connection lost" in report
         if isinstance(error, KeyboardInterrupt) or not blamed:
             return error
         return WorkerFailed(f"context-parallel prefill failed on rank 0 with: {error}\n"

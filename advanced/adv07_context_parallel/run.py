@@ -16,6 +16,7 @@ from minivllm_support.timing import busy_warning
 from step04_transformer.config import ModelConfig
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step18_tensor_parallel.launch import add_launch_flags, launch_from_args
 
 TEXT = ("The harbour wakes before the town does. Fishing boats come in with the tide, gulls follow "
         "them, and the market opens as soon as the first crates are on the quay. ")
@@ -84,8 +85,11 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=2, help="context-parallel ranks (default 2)")
     p.add_argument("--decode", type=int, default=16, help="greedy tokens generated after the prefill")
     p.add_argument("--out", default="build/adv07", help="folder for the Chrome traces and the PNG")
+    add_launch_flags(p, "python -m advanced.adv07_context_parallel.node")   # the other machines
     p.set_defaults(dtype="fp32")     # the token comparison is exact only in fp32
     args = p.parse_args()
+    if args.node_rank:
+        p.error("run.py is node 0; the other nodes run `python -m advanced.adv07_context_parallel.node`")
     repeats = args.repeats or 2
     dtype = setup(args)
     folder = resolve_model(args.model)
@@ -114,8 +118,8 @@ def main() -> None:
         warm_up(one, prompt)
         base, _, base_tokens = run_prefills(one, prompt, repeats, args.decode)
     out = Path(args.out)
-    with CPEngine(folder, config, context_parallel_size=cp, dtype=dtype,
-                  threads_per_rank=max(1, cores // cp), exact_memory=True) as engine:
+    with CPEngine(folder, config, context_parallel_size=cp, dtype=dtype, threads_per_rank=max(1, cores // cp),
+                  exact_memory=True, launch=launch_from_args(args)) as engine:
         warm_up(engine, prompt)
         zz, zz_info, zz_tokens = run_prefills(engine, prompt, repeats, args.decode)
         engine.zigzag = False

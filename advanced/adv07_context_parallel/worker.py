@@ -1,14 +1,16 @@
 """A context-parallel worker: a full copy of the model, and a loop that prefills its share of
 whatever prompt rank 0 sends.
 
-    rank 0 --pipe--> worker: ("prefill", job, token_ids, zigzag) per prompt, b"" to stop
-                             (or ("hops", sizes, repeats): time bare ring hops)
-    worker --pipe--> rank 0: ("ready", facts) once, then ("done", report) per prompt,
-                             or ("error", traceback) before it exits
+    worker: dial the store, then rank 0's control socket (lesson 18's control.py), join the group
+    rank 0 --control--> worker: ("prefill", job, token_ids, zigzag) per prompt, b"" to stop
+                                (or ("hops", sizes, repeats): time bare ring hops)
+    worker --control--> rank 0: ("ready", facts) once, the clock pings, then ("done", report)
+                                per prompt, or ("error", traceback) before it exits
     ranks <-gloo isend/irecv-> the K/V blocks of the ring, inside the forward
 
-Lesson 18's worker shape (a pipe for the work, the process group only for the tensors, exit on
-EOF), with two differences: CP splits tokens, not weights, so each worker loads the whole
+Lesson 18's worker, joined the same way (worker.py there: the store, `connect_to_rank0` with
+the run's flags, then the process group), so it starts the same on this machine or another
+one. Two differences: CP splits tokens, not weights, so each worker loads the whole
 checkpoint; and a job is a whole prompt, not an engine step, because rank 0's engine only
 needs the prompt's K/V (which the ring brings it) and the last token's hidden row.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ from advanced.adv07_context_parallel.zigzag import make_layout
 from minivllm_support.timeline import Timeline, answer_offset
 from step04_transformer.loader import load_model
 from step17_cpu_kernels.engine import cpu_fast_path
-from step18_tensor_parallel import parallel
+from step18_tensor_parallel import control, parallel
 from step18_tensor_parallel.worker import model_bytes
 
 # Fault injection, lesson 18's style: "raise@N", "hang@N" or "exit@N" makes the last rank fail
@@ -37,10 +40,16 @@ from step18_tensor_parallel.worker import model_bytes
 FAULT_ENV = "MINIVLLM_CP_FAULT"
 
 
-def start_timeout(timeout_s: float) -> float:
-    """The rendezvous waits for every rank to start (spawn, imports: seconds on a busy machine),
-    so it gets more than a ring hop, which `Ring` bounds by `timeout_s` itself."""
-    return max(timeout_s, 120.0)
+def start_timeout(timeout_s: float, rendezvous_s: float) -> float:
+    """The process group's own timeout, which bounds its rendezvous: every rank starts (spawn,
+    imports: seconds on a busy machine), so it gets at least the launch's rendezvous time. A
+    ring hop is bounded by `timeout_s` itself (`Ring`), not by this."""
+    return max(timeout_s, rendezvous_s)
+
+
+def run_flags(folder, dtype: torch.dtype, world: int, nnodes: int) -> control.RunFlags:
+    """What rank 0 and every worker must agree on (lesson 18's flag check at the rendezvous)."""
+    return control.RunFlags(control.model_fingerprint(folder), str(dtype), world, nnodes, extra="context-parallel")
 
 
 @dataclass
@@ -53,6 +62,15 @@ class CPWorkerSpec:
     threads: int
     timeout_s: float
     exact_memory: bool = False        # memory.exact_rss(): peak figures a benchmark can trust
+    master_addr: str = "127.0.0.1"    # where the store and rank 0 are (lesson 18's NodeLaunch)
+    nnodes: int = 1
+    rendezvous_timeout_s: float = 60.0
+
+    def flags(self) -> control.RunFlags:
+        return run_flags(self.folder, self.dtype, self.world, self.nnodes)
+
+    def who(self) -> str:
+        return f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()}"
 
 
 def _fault(spec: CPWorkerSpec) -> tuple[str, int] | None:
@@ -89,15 +107,20 @@ def prefill_share(model, token_ids: list[int], rank: int, world: int, zigzag: bo
     return hidden, attn
 
 
-def worker_main(spec: CPWorkerSpec, conn: Connection) -> None:
-    """Entry point of a spawned worker process."""
+def worker_main(spec: CPWorkerSpec) -> None:
+    """Entry point of a worker process (spawned by rank 0, or by a headless node: lesson 18's
+    `node.run_node(specs, worker_main, "cp")`)."""
+    conn: Connection | None = None
     try:
         torch.set_num_threads(spec.threads)
         torch.set_grad_enabled(False)
         if spec.exact_memory:
             exact_rss()
-        store = parallel.make_store(spec.rank, spec.world, spec.port, start_timeout(spec.timeout_s))
-        parallel.init_group(store, spec.rank, spec.world, start_timeout(spec.timeout_s))
+        store = parallel.make_store(spec.rank, spec.world, spec.port, spec.rendezvous_timeout_s,
+                                    spec.master_addr, is_master=False)
+        conn = control.connect_to_rank0(store, spec.master_addr, spec.rank, spec.flags(), spec.who(),
+                                        spec.rendezvous_timeout_s)
+        parallel.init_group(store, spec.rank, spec.world, start_timeout(spec.timeout_s, spec.rendezvous_timeout_s))
         model = load_model(spec.folder, spec.dtype)
         weight_bytes = model_bytes(model)
         model = cpu_fast_path(model)                  # rank 0's engine runs the same transforms
@@ -121,12 +144,20 @@ def worker_main(spec: CPWorkerSpec, conn: Connection) -> None:
                 hook = lambda layer, kind=fault[0]: _inject(kind) if layer == 1 else None  # noqa: E731
             with PeakMeter() as mem:
                 hidden, attn = prefill_share(model, token_ids, spec.rank, spec.world, zigzag, ring, tl, hook=hook)
-            last = hidden[-1].clone() if attn.layout.rank_of_last_token() == spec.rank else None
+            # A numpy copy, not a tensor: Connection.send pickles tensors by handing over a shared-memory
+            # file descriptor (torch.multiprocessing), which a process started elsewhere cannot open.
+            last = hidden[-1].float().numpy() if attn.layout.rank_of_last_token() == spec.rank else None
             conn.send(("done", {"job": job, "timeline": tl.to_dict(), "stats": attn.stats, "peak_bytes": mem.extra,
                                 "last_hidden": last}))
-    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+    except (EOFError, KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
         pass                                           # rank 0 is gone or Ctrl-C: just leave
+    except control.RendezvousError as e:
+        print(f"[minivllm] {e}", flush=True)            # no rank 0 to tell (or it refused us)
+        raise SystemExit(2)
     except BaseException:
+        if conn is None:
+            traceback.print_exc()
+            raise SystemExit(1)
         try:
             conn.send(("error", f"rank {spec.rank}: {traceback.format_exc()}"))
         except (OSError, ValueError):
