@@ -127,6 +127,8 @@ COMMANDS: list[Command] = [
     _bench("step19_benchmark", "microbench.py", (), (), "memory bandwidth, packed linears, kernel build, decode kernel"),
     _bench("step19_benchmark", "thread_cost.py", (), (), "the engine loop in a second thread"),
     _bench("step19_benchmark", "profile_decode.py", ("--batch", "8"), (), "where a decode step's time goes"),
+    _bench("advanced/adv06_pipeline_parallel", "wire.py", ("--steps", "2", "--batches", "1", "8", "--prompt-len", "64"),
+           (), "bytes between two machines: TP=2 across them vs PP=2 across them, and a link model"),
     _bench("advanced/adv07_context_parallel", "bench.py", ("--lengths", "4096", "8192"), (),
            "CP memory per rank and prefill time at 16k and 32k tokens (2 layers of SmolLM2)"),
     _bench("advanced/adv04_flash_decoding", "bench_gpu.py", (), (), "Triton decode kernels vs SDPA on a GPU",

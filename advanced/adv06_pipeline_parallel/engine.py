@@ -88,6 +88,7 @@ class PPEngine(LLMEngine):
         self.workers, self.conns, self.rank_memory, self.offsets = [], [], [], [0] * p
         self.timeline = Timeline(0, stage_label(self.stages[0]) + " + scheduler, LM head, sampler")
         self.bytes_sent = {"hidden": 0, "returned": 0, "metadata": 0}
+        self.messages_sent = 0
         self._threads_before = torch.get_num_threads()
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // (len(launch.local_ranks(p)) if p > 1 else 1))
         torch.set_num_threads(threads)
@@ -175,6 +176,7 @@ class PPEngine(LLMEngine):
                 for conn in self.conns:
                     conn.send_bytes(msg)
                 self.bytes_sent["metadata"] += len(msg) * len(self.conns)
+                self.messages_sent += len(self.conns)
         self.num_steps += 1
         with tl.span(f"mb{v.index}", "compute", step=k, micro_batch=v.index,
                      prefill_tokens=len(ids) - decodes, decode_tokens=decodes):
@@ -191,6 +193,7 @@ class PPEngine(LLMEngine):
                     flight.recv = p2p.irecv(flight.rows, self.pp - 1)
             self.bytes_sent["hidden"] += nbytes * (self.pp - 1)
             self.bytes_sent["returned"] += 0 if flight.rows is None else flight.rows.numel() * hidden.element_size()
+            self.messages_sent += (self.pp - 1) + (flight.rows is not None)
         v.in_flight = flight
 
     def _complete(self, v: VirtualEngine) -> list[Sequence]:

@@ -1,0 +1,126 @@
+"""Which split should cross the network between two machines: TP=2 or PP=2? Bytes measured here.
+
+    python advanced/adv06_pipeline_parallel/wire.py        # Qwen3-0.6B shape, random weights, bf16
+
+Both engines run on this machine (gloo over loopback), exactly as they would across two: what
+rank 0 hands the process group and the control socket is what would cross the link. Counted:
+
+    TP=2 (lesson 18)   every layer: 2 all-reduces of [T, hidden]; the embedding's all-reduce;
+                       the logits gather (rank 1's half of the vocabulary); the step's metadata
+    PP=2 (this lesson) one hop of [T, hidden] from stage 0 to 1; the sampled rows' hidden states
+                       back; the step's metadata
+
+For 2 ranks an all-reduce of S bytes sends S bytes each way (ring: S/2 reduce-scatter + S/2
+all-gather), so rank 0's payload is the traffic in each direction. Then a link model, not a
+measurement: time = bytes x 8 / bandwidth + messages x latency, at 10, 25 and 100 Gbit/s.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from minivllm_support.cli import machine
+from minivllm_support.workloads import random_qwen3_06b
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step18_tensor_parallel import parallel
+from step18_tensor_parallel.engine import TPEngine
+from advanced.adv06_pipeline_parallel.engine import PPEngine
+
+LINKS_GBIT = (10, 25, 100)
+LATENCY_US = 20.0        # one message across a rack's switch, TCP (an assumption, stated as such)
+
+
+def _config() -> PagedSchedulerConfig:
+    return PagedSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, kv_cache_bytes=256 * 2**20)
+
+
+class Counter:
+    """bytes and messages crossing between the two ranks, read from each engine's own counters."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def read(self) -> tuple[int, int]:
+        e = self.engine
+        if isinstance(e, TPEngine):
+            return parallel.COMM.bytes + e.runner.metadata_bytes, parallel.COMM.calls + e.runner.metadata_messages
+        sent = e.bytes_sent
+        return sum(sent.values()), e.messages_sent
+
+    def reset(self) -> None:
+        e = self.engine
+        if isinstance(e, TPEngine):
+            parallel.COMM.reset()
+            e.runner.metadata_bytes = e.runner.metadata_messages = 0
+        else:
+            e.bytes_sent = dict.fromkeys(e.bytes_sent, 0)
+            e.messages_sent = 0
+
+
+def measure(engine, prompt_len: int, batch: int, steps: int) -> dict:
+    """Bytes and messages per prompt token (one prompt, one step) and per decode step at `batch`."""
+    c = Counter(engine)
+    vocab = engine.model.config.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    c.reset()
+    engine.add_request([(7 * i) % (vocab - 10) + 5 for i in range(prompt_len)], sp)
+    engine.step()
+    prefill = c.read()
+    while engine.has_unfinished():
+        engine.step()
+    seqs = [engine.add_request([(11 * i + b) % (vocab - 10) + 5 for i in range(32)], sp) for b in range(batch)]
+    while any(not s.output_token_ids for s in seqs):
+        engine.step()
+    c.reset()
+    for _ in range(steps):
+        engine.step()
+    decode = c.read()
+    while engine.has_unfinished():
+        engine.step()
+    return {"prompt_token": (prefill[0] / prompt_len, prefill[1]), "decode_step": (decode[0] / steps, decode[1] / steps)}
+
+
+def link_ms(nbytes: float, messages: float, gbit: float) -> float:
+    return (nbytes * 8 / (gbit * 1e9) + messages * LATENCY_US * 1e-6) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    print(machine())
+    folder = random_qwen3_06b()
+    rows = {}
+    for name, make in (("TP=2", lambda: TPEngine(folder, _config(), tensor_parallel_size=2, dtype=torch.bfloat16,
+                                                   all_reduce="gloo", threads_per_rank=1)),
+                       ("PP=2", lambda: PPEngine(folder, _config(), pipeline_parallel_size=2, num_micro_batches=1,
+                                                 dtype=torch.bfloat16, threads_per_rank=1))):
+        with make() as engine:
+            for b in args.batches:
+                rows[(name, b)] = measure(engine, args.prompt_len, b, args.steps)
+    print(f"\nbytes crossing between the two machines (each direction, measured; Qwen3-0.6B shape, bf16, "
+          f"a {args.prompt_len}-token prompt, decode over {args.steps} steps):")
+    print(f"  {'':24} {'TP=2 across':>16} {'PP=2 across':>16}")
+    tp, pp = rows[("TP=2", args.batches[0])], rows[("PP=2", args.batches[0])]
+    print(f"  {'per prompt token':24} {tp['prompt_token'][0] / 1024:>13.1f} KiB {pp['prompt_token'][0] / 1024:>13.1f} KiB")
+    for b in args.batches:
+        tp, pp = rows[("TP=2", b)], rows[("PP=2", b)]
+        print(f"  {f'per decode step, batch {b}':24} {tp['decode_step'][0] / 1024:>13.1f} KiB "
+              f"{pp['decode_step'][0] / 1024:>13.1f} KiB")
+        print(f"  {'  messages per step':24} {tp['decode_step'][1]:>16.0f} {pp['decode_step'][1]:>16.0f}")
+    print(f"\nlink model (computed from the bytes above, not measured): ms per decode step = bytes x 8 / bandwidth "
+          f"+ messages x {LATENCY_US:.0f} us")
+    print(f"  {'':24} " + " ".join(f"{f'{g} Gbit/s':>18}" for g in LINKS_GBIT))
+    for b in args.batches:
+        for name in ("TP=2", "PP=2"):
+            nbytes, msgs = rows[(name, b)]["decode_step"]
+            print(f"  {f'{name}, batch {b}':24} " + " ".join(f"{link_ms(nbytes, msgs, g):>15.2f} ms" for g in LINKS_GBIT))
+
+
+if __name__ == "__main__":
+    main()
