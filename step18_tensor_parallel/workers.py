@@ -75,9 +75,13 @@ class WorkerSet:
         proc.start()
         self.procs.append(proc)
 
+    def node_of(self, rank: int) -> int:
+        """The node a rank runs on (launch.py's rule; an engine with another placement overrides it)."""
+        return self.launch.node_of(rank, self.world)
+
     def accept(self, flags: control.RunFlags) -> None:
         conns = self._server.accept_all(list(range(1, self.world)), flags, self.launch.rendezvous_timeout_s,
-                                        lambda r: self.launch.node_of(r, self.world), self.check_alive)
+                                        self.node_of, self.check_alive)
         self.ranks += sorted(conns)
         self.conns += [conns[r] for r in self.ranks]
 
@@ -126,7 +130,7 @@ class WorkerSet:
                         continue
             except (EOFError, OSError):
                 if proc is None:
-                    node = self.launch.node_of(rank, self.world)
+                    node = self.node_of(rank)
                     lines.append(f"rank {rank} (node {node}): connection lost: its process or machine is gone")
                     continue
             if proc is None:

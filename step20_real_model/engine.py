@@ -65,10 +65,13 @@ class LogprobsEngine(TPEngine):
 
 def build_engine(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = False, launch=None) -> LogprobsEngine:
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False, launch=None,
+                 threads_per_rank: int | None = None) -> LogprobsEngine:
     """enforce_eager: no graph capture (vLLM's flag of the same name): quicker to start,
-    slower decode steps; the tests use it."""
+    slower decode steps; the tests use it. threads_per_rank: torch threads of each rank
+    (default: the machine's cores split over the ranks)."""
     config = PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   kv_cache_bytes=kv_cache_bytes)
     return LogprobsEngine(model_dir, config, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                          use_graph=not enforce_eager, launch=launch)
+                          use_graph=not enforce_eager, launch=launch,
+                          threads_per_rank=threads_per_rank)

@@ -1,12 +1,19 @@
 """The data-parallel front end: N replica processes, one router, one collector thread.
 
-    stream(prompt) --router--> replica i --pipe--> ("add", rid, ids, params)
+    stream(prompt) --router--> replica i --conn--> ("add", rid, ids, params)
          ^                                                  |  replica i's engine steps
-         '--- queue <-- collector thread <--pipe-- ("event", rid, token, logprobs, stats)
+         '--- queue <-- collector thread <--conn-- ("event", rid, token, logprobs, stats)
                           |  every 0.2 s: a replica with requests in flight that has said
                           |  nothing for hang_timeout_s is asked for its stack, then killed
-                          '  a pipe at EOF: the replica is gone -> its requests are re-routed
+                          '  a conn at EOF: the replica is gone -> its requests are re-routed
                              (no token yet) or fail with EngineDead and its own account
+
+Where the replicas run (lesson 18's launch.py, control.py, workers.py): the front end is rank 0
+and hosts the rendezvous; replica i is rank i+1 and dials it, on this machine or another.
+
+    node 0: front end (rank 0) + replicas 0..k-1        node r: python -m advanced.adv08_data_parallel.node
+            spawned here, they dial 127.0.0.1                   replicas r*k..r*k+k-1 dial node 0
+    k = N / nnodes replicas per node (vLLM: --data-parallel-size-local)
 
 It has the shape lesson 21's AsyncLLM drives (`stream`, `error`, `shutdown`) and lesson 19's
 load generator drives (`generate`, `threaded`), so both sit on top unchanged.
@@ -22,10 +29,9 @@ The collector's side of this (who is in flight where, who hears what) is pool.py
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import time
 import weakref
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -37,9 +43,31 @@ from advanced.adv08_data_parallel.router import CacheAware, Router, create_route
 from minivllm_support.models import resolve_model
 from minivllm_support.timeline import Timeline
 from step14_batched_forward.engine import EngineStats
+from step18_tensor_parallel.launch import NodeLaunch
+from step18_tensor_parallel.workers import WorkerSet
 from step19_benchmark.faults import EngineDead
 from step19_benchmark.frontend import TokenEvent
 from step20_real_model.params import SamplingParams
+
+
+def replicas_per_node(num_replicas: int, launch: NodeLaunch) -> int:
+    if num_replicas % launch.nnodes:
+        raise ValueError(f"--data-parallel-size {num_replicas} does not split evenly over --nnodes {launch.nnodes}")
+    return num_replicas // launch.nnodes
+
+
+def local_replicas(num_replicas: int, launch: NodeLaunch) -> list[int]:
+    """The replica indices this node runs (rank = index + 1; rank 0 is the front end)."""
+    k = replicas_per_node(num_replicas, launch)
+    return list(range(launch.node_rank * k, launch.node_rank * k + k))
+
+
+class ReplicaSet(WorkerSet):
+    """Lesson 18's WorkerSet with the data-parallel placement: nodes named by replicas_per_node,
+    because world = N + 1 (the front end) rarely splits evenly over nodes."""
+
+    def node_of(self, rank: int) -> int:
+        return 0 if rank == 0 else (rank - 1) // replicas_per_node(self.world - 1, self.launch)
 
 
 class DPFrontEnd:
@@ -51,24 +79,33 @@ class DPFrontEnd:
                  dtype: torch.dtype = torch.float32, threads_per_replica: int = 1, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_cache_bytes: int = 128 * 2**20,
                  enforce_eager: bool = True, hang_timeout_s: float = 30.0, start_timeout_s: float = 120.0,
-                 trace: bool = False, **router_options):
+                 trace: bool = False, launch: NodeLaunch | None = None, **router_options):
         """policy, router_options: router.create_router's; checked before any process starts.
+        launch: lesson 18's NodeLaunch (default: every replica on this machine); with nnodes > 1,
+        this is node 0 and the other nodes run `python -m advanced.adv08_data_parallel.node`.
         hang_timeout_s: a replica with requests that sends nothing for this long is stopped.
         trace: each replica records its engine steps; `timelines()` collects them."""
         if hang_timeout_s <= 0 or start_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s and start_timeout_s must be > 0, got {hang_timeout_s}, {start_timeout_s}")
         self.set_policy(policy, num_replicas, **router_options)        # checked before any process starts
         self.model_dir = resolve_model(model)
-        ctx = mp.get_context("spawn")            # fresh interpreters: no forked torch thread pools
-        replicas = []
-        for i in range(num_replicas):
-            parent, child = ctx.Pipe()
-            spec = ReplicaSpec(i, num_replicas, str(self.model_dir), dtype, threads_per_replica, max_num_seqs,
-                               max_num_batched_tokens, kv_cache_bytes, enforce_eager, trace)
-            proc = ctx.Process(target=replica_main, args=(spec, child), name=f"dp-replica-{i}", daemon=True)
-            proc.start()
-            child.close()
-            replicas.append(ReplicaHandle(i, proc, parent))
+        launch = launch or NodeLaunch()
+        here = local_replicas(num_replicas, launch)                    # checks N against --nnodes, too
+        ws = ReplicaSet(launch, num_replicas + 1, name="dp", what="data-parallel replica")
+        try:
+            spec = ReplicaSpec(0, num_replicas, str(self.model_dir), dtype, threads_per_replica, max_num_seqs,
+                               max_num_batched_tokens, kv_cache_bytes, enforce_eager, trace,
+                               master_addr="127.0.0.1" if not launch.multi_node else launch.master_addr,
+                               port=ws.port, nnodes=launch.nnodes,
+                               rendezvous_timeout_s=launch.rendezvous_timeout_s)
+            for i in here:
+                ws.spawn(i + 1, replica_main, replace(spec, index=i))
+            ws.accept(spec.flags())           # every replica, from every node, with node 0's flags
+        except BaseException:
+            ws.release(wait_s=0.5)
+            raise
+        replicas = [ReplicaHandle(rank - 1, ws.proc(rank), conn, node=ws.node_of(rank))
+                    for rank, conn in zip(ws.ranks, ws.conns)]
         self._pool = ReplicaPool(replicas, self.router, hang_timeout_s)
         # Runs at garbage collection or at interpreter exit, unless close() ran first.
         self._finalizer = weakref.finalize(self, self._pool.close)
@@ -77,6 +114,8 @@ class DPFrontEnd:
         except BaseException:
             self.close(wait_s=0.5)
             raise
+        for r, f in zip(replicas, self.facts):
+            r.pid = f["pid"]
         self.pool_tokens = min(f["num_blocks"] * f["block_size"] for f in self.facts)
         self.set_policy(policy, num_replicas, **router_options)         # now it can size its trees
         self._pool.thread.start()
@@ -104,16 +143,18 @@ class DPFrontEnd:
             if rep.conn.poll(0.1):
                 try:
                     kind, info = rep.conn.recv()
-                except EOFError:                     # it ended without a word (killed, os._exit)
+                except (EOFError, OSError):          # it ended without a word (killed, os._exit)
+                    if rep.proc is None:
+                        raise RuntimeError(f"replica {rep.index} (node {rep.node}) hung up while starting") from None
                     rep.proc.join(1.0)
                     raise RuntimeError(f"replica {rep.index} exited with code {rep.proc.exitcode} "
                                        f"while starting") from None
                 if kind == "ready":
                     return info
                 raise RuntimeError(f"replica {rep.index} failed while starting: {info}")
-            if not rep.proc.is_alive() and not rep.conn.poll(0):
+            if rep.proc is not None and not rep.proc.is_alive() and not rep.conn.poll(0):
                 raise RuntimeError(f"replica {rep.index} exited with code {rep.proc.exitcode} while starting")
-        raise RuntimeError(f"replica {rep.index} was not ready after {timeout_s:g} s")
+        raise RuntimeError(f"replica {rep.index} (node {rep.node}) was not ready after {timeout_s:g} s")
 
     # ---- what AsyncLLM (lesson 21) and the load generator (lesson 19) call --------------------
     @property
@@ -123,9 +164,7 @@ class DPFrontEnd:
     async def stream(self, prompt_ids: list[int], params: SamplingParams
                      ) -> AsyncIterator[tuple[TokenEvent, dict | None]]:
         """(token event, its logprobs entry or None) as the replica produces them. Leaving early
-        aborts the request on its replica."""
-        if not isinstance(params, SamplingParams):      # lesson 06's (the load generator's): widen it
-            params = SamplingParams(**{f.name: getattr(params, f.name) for f in fields(params)})
+        aborts the request on its replica. params: lesson 20's, or lesson 06's (the load generator's)."""
         pend = Pending(list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue())
         self._pool.submit(pend)
         done = False
@@ -188,7 +227,8 @@ class DPFrontEnd:
         return [r.alive for r in self._pool.replicas]
 
     def pids(self) -> list[int]:
-        return [r.proc.pid for r in self._pool.replicas]
+        """Each replica's process id, on its own machine."""
+        return [r.pid for r in self._pool.replicas]
 
     # ---- shutdown -----------------------------------------------------------------------------
     def close(self, wait_s: float = 5.0) -> None:

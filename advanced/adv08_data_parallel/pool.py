@@ -5,7 +5,8 @@
         ("event", rid, ...)  -> pend's queue (via its event loop), the replica's load updated
         ("error", rid, ...)  -> the same class of error (StepFailed, EngineDead, ...) to pend
         EOF                  -> _died(): every pend of that replica is re-routed or told
-        nothing for hang_timeout_s with work -> ask for its stack, then kill it (EOF follows)
+        nothing for hang_timeout_s with work -> ask for its stack, then kill it (EOF follows);
+                                a replica on another machine: hang up its socket instead
 
 Everything a request needs to hear of is in `live` under one lock, so a replica that goes away
 can account for each of its requests: none is ever left waiting on a queue nobody feeds.
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import multiprocessing as mp
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,8 +54,10 @@ class Reroute:
 @dataclass(eq=False)
 class ReplicaHandle:
     index: int
-    proc: mp.Process
+    proc: mp.Process | None             # None: it runs on another node; only its socket is here
     conn: Connection
+    node: int = 0
+    pid: int = 0                        # its own, as it reported it (on its own machine)
     live: dict[int, Pending] = field(default_factory=dict)
     stats: EngineStats | None = None
     alive: bool = True
@@ -169,20 +174,36 @@ class ReplicaPool:
                 rep.send(("stack",), block=False)
             elif rep.stack is not None or now - rep.asked_at > 1.0:
                 silent = now - rep.last_heard
-                rep.account = (f"replica {rep.index} (pid {rep.proc.pid}) hung: no token for {silent:.1f} s "
+                rep.account = (f"replica {rep.index} (pid {rep.pid}) hung: no token for {silent:.1f} s "
                                f"with {len(rep.live)} request(s) in flight; it was stopped. Its engine "
                                f"thread was at:\n{rep.stack or '(it did not answer)'}")
-                rep.proc.kill()                          # its pipe ends: _died() follows
+                self._stop(rep)                          # its connection ends: _died() follows
+
+    @staticmethod
+    def _stop(rep: ReplicaHandle) -> None:
+        if rep.proc is not None:
+            rep.proc.kill()
+            return
+        # Not ours to kill: end the connection both ways. The replica reads EOF and stops serving;
+        # the collector reads EOF and accounts for its requests. (A dup: the Connection keeps its fd.)
+        try:
+            with socket.socket(fileno=os.dup(rep.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _died(self, rep: ReplicaHandle) -> None:
-        rep.proc.join(1.0)
-        if rep.proc.exitcode is None:            # its pipe is gone but it is not: no orphan
-            rep.proc.kill()
+        if rep.proc is None:
+            how = f"node {rep.node}: connection lost, its process or machine is gone"
+        else:
             rep.proc.join(1.0)
-        code = rep.proc.exitcode
-        how = ("did not exit" if code is None else f"killed by signal {signal.Signals(-code).name}"
-               if code < 0 else f"exit code {code}")
-        account = rep.account or f"replica {rep.index} (pid {rep.proc.pid}) ended ({how}) without a word"
+            if rep.proc.exitcode is None:        # its connection is gone but it is not: no orphan
+                rep.proc.kill()
+                rep.proc.join(1.0)
+            code = rep.proc.exitcode
+            how = ("did not exit" if code is None else f"killed by signal {signal.Signals(-code).name}"
+                   if code < 0 else f"exit code {code}")
+        account = rep.account or f"replica {rep.index} (pid {rep.pid}) ended ({how}) without a word"
         with self.lock:
             rep.alive = False
             self.router.forget(rep.index)
@@ -203,7 +224,8 @@ class ReplicaPool:
         self.closing = True
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(2.0)
-        shutdown([r.proc for r in self.replicas], [r.conn for r in self.replicas], wait_s)
+        # Remote replicas hear the same stop message and end; their node's process then exits.
+        shutdown([r.proc for r in self.replicas if r.proc is not None], [r.conn for r in self.replicas], wait_s)
         stopped = RuntimeError("the data-parallel front end was shut down before this request finished")
         with self.lock:
             told = [p for r in self.replicas for p in r.live.values()]

@@ -1,7 +1,9 @@
 """One replica: a whole engine in its own process, its own KV pool and prefix cache.
 
-    front end --pipe--> replica: ("add", rid, prompt_ids, params) | ("abort", rid) | ("stack",) | b"" (stop)
-    replica --pipe--> front end: ("ready", facts) once, then per token
+    replica (rank index+1) dials the store at master-addr:port, then the front end's control
+    socket (lesson 18's control.py: token, rank, flags checked); from then on, one connection:
+    front end --conn--> replica: ("add", rid, prompt_ids, params) | ("abort", rid) | ("stack",) | b"" (stop)
+    replica --conn--> front end: ("ready", facts) once (or ("error", traceback)), then per token
                                  ("event", rid, TokenEvent, logprobs entry, EngineStats),
                                  ("error", rid, kind, message, EngineStats) when a request fails,
                                  ("stack", text) when asked where its engine thread is,
@@ -16,13 +18,16 @@ failed step ends its own requests (StepFailed), repeated faults make the engine 
 (EngineDead); the replica then tells the front end why and exits with lesson 21's exit code.
 
 Every message carries the engine's stats: the front end's view of each replica's load is as
-fresh as the last token it produced.
+fresh as the last token it produced. The connection is a TCP socket wrapped as a
+multiprocessing Connection, so the same code runs whether the front end is on this machine or
+another (node.py starts the replicas of a machine without a front end).
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -34,8 +39,9 @@ import torch
 
 from step19_benchmark.faults import EngineDead, FaultPlan, FaultPolicy, inject_faults
 from minivllm_support.timeline import Timeline
-from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step20_real_model.engine import LogprobsEngine
+from step18_tensor_parallel import control, parallel
+from step18_tensor_parallel.control import RendezvousError
+from step20_real_model.engine import build_engine
 from step21_http_serve.async_llm import LogprobFrontEnd
 from step21_http_serve.server import EXIT_ENGINE_DEAD
 
@@ -44,6 +50,7 @@ from step21_http_serve.server import EXIT_ENGINE_DEAD
 # goes on); dead: every call from N raises (3 faults: the engine is dead, the replica exits);
 # hang: the call sleeps for an hour (the front end's watchdog must notice).
 FAULT_ENV = "MINIVLLM_DP_FAULT"
+STOP_GRACE_S = 10.0              # told to stop (or the front end vanished): gone by then, whatever
 
 
 @dataclass
@@ -58,6 +65,25 @@ class ReplicaSpec:
     kv_cache_bytes: int
     enforce_eager: bool
     trace: bool = False              # record every engine step on a Timeline (run.py's busy share)
+    master_addr: str = "127.0.0.1"   # where the front end's store listens (node 0)
+    port: int = 0
+    nnodes: int = 1
+    rendezvous_timeout_s: float = 60.0
+
+    # Rank 0 is the front end (it holds no engine, as vLLM's API server holds none); replica i is
+    # rank i+1, so lesson 18's rule "everyone but rank 0 dials rank 0" holds unchanged.
+    @property
+    def rank(self) -> int:
+        return self.index + 1
+
+    @property
+    def world(self) -> int:
+        return self.num_replicas + 1
+
+    def flags(self) -> control.RunFlags:
+        """What the front end compares at the rendezvous: model, dtype, and (through world) N."""
+        return control.RunFlags(control.model_fingerprint(self.folder), str(self.dtype), self.world, self.nnodes,
+                                extra="data-parallel")
 
 
 def parse_fault(value: str, index: int, num_replicas: int) -> tuple[str, int] | None:
@@ -114,36 +140,50 @@ def _arm_fault(engine, fault: tuple[str, int] | None) -> None:
         inject_faults(engine, FaultPlan(at_calls=calls))
 
 
-def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
-    """Entry point of a spawned replica process."""
+def dial_front_end(spec: ReplicaSpec) -> Connection:
+    """Lesson 18's worker side: the store, then the front end's control socket."""
+    store = parallel.make_store(spec.rank, spec.world, spec.port, spec.rendezvous_timeout_s, spec.master_addr,
+                                is_master=False)
+    who = f"replica {spec.index} on {socket.gethostname()} pid {os.getpid()}"
+    return control.connect_to_rank0(store, spec.master_addr, spec.rank, spec.flags(), who, spec.rendezvous_timeout_s)
+
+
+def replica_main(spec: ReplicaSpec) -> None:
+    """Entry point of a replica process (spawned by the front end on node 0, or by node.py)."""
+    try:
+        conn = dial_front_end(spec)
+    except (RendezvousError, OSError) as e:     # no front end, or it refused our flags: say so, exit 2
+        print(f"[minivllm] replica {spec.index}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    ready = False
     try:
         torch.set_num_threads(spec.threads)
         torch.set_grad_enabled(False)
         fault = parse_fault(os.environ.get(FAULT_ENV, ""), spec.index, spec.num_replicas)
-        config = PagedSchedulerConfig(max_num_seqs=spec.max_num_seqs, kv_cache_bytes=spec.kv_cache_bytes,
-                                      max_num_batched_tokens=spec.max_num_batched_tokens)
-        # Lesson 20's build_engine, but with this replica's thread count (it would take all cores).
-        engine = LogprobsEngine(spec.folder, config, dtype=spec.dtype, threads_per_rank=spec.threads,
-                                use_graph=not spec.enforce_eager)
+        engine = build_engine(spec.folder, spec.dtype, max_num_seqs=spec.max_num_seqs,
+                              max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_bytes=spec.kv_cache_bytes,
+                              enforce_eager=spec.enforce_eager, threads_per_rank=spec.threads)
         _arm_fault(engine, fault)
         tl = Timeline(spec.index, f"replica {spec.index}", enabled=spec.trace)
         if spec.trace:
             trace_steps(engine, tl)
         front = LogprobFrontEnd(engine, threaded=False, policy=FaultPolicy())
         bm = engine.scheduler.block_manager
-        conn.send(("ready", {"pid": os.getpid(), "num_blocks": bm.num_blocks, "block_size": bm.block_size,
-                             "threads": torch.get_num_threads()}))
+        conn.send(("ready", {"pid": os.getpid(), "host": socket.gethostname(), "num_blocks": bm.num_blocks,
+                             "block_size": bm.block_size, "threads": torch.get_num_threads()}))
+        ready = True
         dead = front.drive(lambda: asyncio.run(_serve(front, engine, conn, tl)))
         if dead is not None:
             conn.send(("dead", f"replica {spec.index} (pid {os.getpid()}): {dead}"))
             raise SystemExit(EXIT_ENGINE_DEAD)
-    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+    except (EOFError, KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
         pass                                    # the front end is gone or Ctrl-C: just leave
     except SystemExit:
         raise
     except BaseException:
-        try:
-            conn.send(("dead", f"replica {spec.index} (pid {os.getpid()}):\n{traceback.format_exc()}"))
+        try:   # while starting, lesson 18's WorkerSet convention; afterwards, the pool's
+            conn.send(("dead" if ready else "error", f"replica {spec.index} (pid {os.getpid()}):\n"
+                       f"{traceback.format_exc()}"))
         except (OSError, ValueError):
             pass
         raise SystemExit(1)
@@ -177,7 +217,11 @@ async def _serve(front: LogprobFrontEnd, engine, conn: Connection, tl: Timeline)
                 loop.call_soon_threadsafe(inbox.put_nowait, msg)
             except RuntimeError:                # the loop has ended
                 return
-            if msg is None:
+            if msg is None:   # stopped, or the front end is gone: an engine stuck in a step must
+                # not keep this process (on a machine nobody watches) alive; a normal exit beats this
+                timer = threading.Timer(STOP_GRACE_S, os._exit, args=(1,))
+                timer.daemon = True
+                timer.start()
                 return
 
     async def run(rid: int, prompt_ids: list[int], params) -> None:

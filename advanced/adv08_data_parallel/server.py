@@ -19,6 +19,7 @@ import torch
 from advanced.adv08_data_parallel.frontend import DPFrontEnd
 from minivllm_support.models import load_tokenizer
 from step04_transformer.config import ModelConfig
+from step18_tensor_parallel.launch import NodeLaunch
 from step20_real_model.llm import render_chat
 from step21_http_serve.api import build_app
 from step21_http_serve.async_llm import AsyncLLM
@@ -58,10 +59,11 @@ class DPAsyncLLM(AsyncLLM):
 
 def build_dp_server(model: str | None = None, *, num_replicas: int = 2, policy: str = "cache_aware",
                     served_model_name: str | None = None, dtype: torch.dtype = torch.float32,
-                    max_body_bytes: int = 16 * 2**20, **front_options):
+                    max_body_bytes: int = 16 * 2**20, launch: NodeLaunch | None = None, **front_options):
     """(the FastAPI app, its DPAsyncLLM); call the DPAsyncLLM's shutdown() when done serving.
+    launch: this is node 0 of launch.nnodes (the others run advanced.adv08_data_parallel.node).
     front_options: DPFrontEnd's (threads_per_replica, kv_cache_bytes, hang_timeout_s, router options)."""
-    front = DPFrontEnd(model, num_replicas, policy, dtype=dtype, **front_options)
+    front = DPFrontEnd(model, num_replicas, policy, dtype=dtype, launch=launch, **front_options)
     try:
         llm = DPAsyncLLM(front, served_model_name)
     except BaseException:

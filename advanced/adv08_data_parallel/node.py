@@ -1,0 +1,75 @@
+"""A headless node: this machine's data-parallel replicas, serving the front end on node 0.
+
+    node 0:  the front end (DPFrontEnd / build_dp_server with launch=NodeLaunch(nnodes=2, ...))
+             + replicas 0 .. k-1
+    node 1:  python -m advanced.adv08_data_parallel.node --model PATH --data-parallel-size 4 \\
+                 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500
+             + replicas k .. 2k-1           (k = data-parallel size / nnodes)
+
+vLLM's shape: node 0 runs the API server and its local engines; the others run `--headless`
+engines that dial node 0 (--data-parallel-address, --data-parallel-start-rank). Here each
+replica dials the front end through lesson 18's store and control socket; the model (by its
+fingerprint), the dtype and the data-parallel size must match node 0's or the replica is refused
+with the field named. The KV size and threads are this machine's own business.
+
+Exit code (lesson 18's node.py, whose run_node this is): 0 when the front end closed, 2 when the
+rendezvous failed (no front end, or our flags refused), 1 when a replica failed. Ctrl-C or
+SIGTERM stops every replica of this node.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from advanced.adv08_data_parallel.frontend import local_replicas
+from advanced.adv08_data_parallel.replica import ReplicaSpec, replica_main
+from minivllm_support.cli import DTYPES
+from minivllm_support.cpu import auto_dtype
+from minivllm_support.models import resolve_model
+from step18_tensor_parallel.launch import NodeLaunch, add_launch_flags, launch_from_args
+from step18_tensor_parallel.node import run_node
+
+
+def replica_specs(folder: str, num_replicas: int, dtype: torch.dtype, launch: NodeLaunch, *, threads: int | None = None,
+                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 128 * 2**20,
+                  enforce_eager: bool = True) -> list[ReplicaSpec]:
+    """One spec per replica this node runs; threads default to this machine's cores shared out."""
+    here = local_replicas(num_replicas, launch)
+    threads = threads or max(1, (torch.get_num_threads() or 1) // len(here))
+    return [ReplicaSpec(i, num_replicas, folder, dtype, threads, max_num_seqs, max_num_batched_tokens, kv_cache_bytes,
+                        enforce_eager, master_addr=launch.master_addr, port=launch.master_port, nnodes=launch.nnodes,
+                        rendezvous_timeout_s=launch.rendezvous_timeout_s) for i in here]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Run this machine's data-parallel replicas for the front end on node 0.")
+    p.add_argument("--model", default=None, help="the checkpoint folder on this machine (same model as node 0)")
+    p.add_argument("--data-parallel-size", type=int, required=True, help="replicas in the whole run (as node 0's)")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="fp32", help="must match node 0's "
+                   "(DPFrontEnd's default is fp32; refused at the rendezvous if the nodes differ)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: cores / replicas)")
+    p.add_argument("--kv-mib", type=int, default=128, help="KV pool of each replica here")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    add_launch_flags(p)
+    args = p.parse_args(argv)
+    if args.data_parallel_size < 1:
+        p.error(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    try:
+        launch = launch_from_args(args)
+        if launch.node_rank == 0:
+            p.error("node 0 runs the front end itself (DPFrontEnd or build_dp_server with launch=...); "
+                    "this command is for --node-rank 1 and up")
+        dtype = auto_dtype() if args.dtype == "auto" else DTYPES[args.dtype]
+        specs = replica_specs(str(resolve_model(args.model)), args.data_parallel_size, dtype, launch,
+                              threads=args.threads, max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_mib * 2**20)
+    except ValueError as e:
+        p.error(str(e))
+    print(f"[minivllm] node {launch.node_rank}: replicas {[s.index for s in specs]} of {args.data_parallel_size}, "
+          f"front end at {launch.master_addr}:{launch.master_port}", flush=True)
+    return run_node(specs, replica_main, name="dp")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
