@@ -246,6 +246,6 @@ def draw_png(timelines: Iterable[Timeline], path: str | Path, title: str = "") -
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")     # no empty band under the legend
     plt.close(fig)
     return path

@@ -33,7 +33,7 @@ LATENCY_US = 20.0        # one message across a rack's switch, TCP (an assumptio
 
 
 def _config() -> PagedSchedulerConfig:
-    return PagedSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, kv_cache_bytes=256 * 2**20)
+    return PagedSchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, kv_cache_bytes=256 * 2**20)
 
 
 class Counter:
@@ -73,6 +73,8 @@ def measure(engine, prompt_len: int, batch: int, steps: int) -> dict:
     seqs = [engine.add_request([(11 * i + b) % (vocab - 10) + 5 for i in range(32)], sp) for b in range(batch)]
     while any(not s.output_token_ids for s in seqs):
         engine.step()
+    if sum(not s.is_finished for s in seqs) < batch:
+        raise RuntimeError(f"only {sum(not s.is_finished for s in seqs)} of {batch} sequences are decoding")
     c.reset()
     for _ in range(steps):
         engine.step()
