@@ -76,7 +76,7 @@ def run_torchrun_worker(model: str, tp: int, dtype: torch.dtype, timeout_s: floa
     launch = NodeLaunch.from_env()
     spec = WorkerSpec(str(model), rank, tp, launch.master_port, dtype, torch.get_num_threads(), timeout_s, True,
                       master_addr=launch.master_addr, nnodes=launch.nnodes,
-                      rendezvous_timeout_s=launch.rendezvous_timeout_s, store_is_master=False)
+                      rendezvous_timeout_s=launch.rendezvous_timeout_s)
     try:
         worker_main(spec)
     except SystemExit as e:

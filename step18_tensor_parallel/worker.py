@@ -15,6 +15,8 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -47,7 +49,6 @@ class WorkerSpec:
     master_addr: str = "127.0.0.1"   # where the store and rank 0 are
     nnodes: int = 1
     rendezvous_timeout_s: float = 60.0
-    store_is_master: bool | None = None   # False under torchrun: its agent hosts the store
 
     def flags(self) -> control.RunFlags:
         return control.RunFlags(control.model_fingerprint(self.folder), str(self.dtype), self.world, self.nnodes)
@@ -68,18 +69,57 @@ def _fault(spec: WorkerSpec) -> tuple[str, int] | None:
     return kind, int(step)
 
 
+@dataclass
+class WorkerExit:
+    """What `worker_exit` must know while a worker runs: its connection to rank 0, once there is one."""
+    label: str
+    conn: Connection | None = None
+
+
+@contextmanager
+def worker_exit(label: str) -> Iterator[WorkerExit]:
+    """How every worker process ends (this lesson's and the advanced lessons' engines): quietly
+    when rank 0 is gone or on Ctrl-C; with exit code 2 when the rendezvous failed (nobody to
+    tell); otherwise its traceback goes to rank 0 and it exits 1. It always leaves the group."""
+    state = WorkerExit(label)
+    try:
+        yield state
+    except (EOFError, KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
+        pass                                             # rank 0 is gone or Ctrl-C: just leave
+    except control.RendezvousError as e:
+        print(f"[minivllm] {e}", flush=True)            # no rank 0 to tell (or it refused us)
+        raise SystemExit(2)
+    except BaseException:
+        if state.conn is None:
+            traceback.print_exc()
+            raise SystemExit(1)
+        try:
+            state.conn.send(("error", f"{label}: {traceback.format_exc()}"))
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(1)
+    finally:
+        parallel.close_group()
+
+
+def join_rank0(rank: int, world: int, port: int, master_addr: str, flags: control.RunFlags, who: str,
+               rendezvous_timeout_s: float, group_timeout_s: float):
+    """A worker's way in: the store (as a client), rank 0's control socket, the process group.
+    Returns (store, connection to rank 0)."""
+    store = parallel.make_store(rank, world, port, rendezvous_timeout_s, master_addr, is_master=False)
+    conn = control.connect_to_rank0(store, master_addr, rank, flags, who, rendezvous_timeout_s)
+    parallel.init_group(store, rank, world, group_timeout_s)
+    return store, conn
+
+
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a worker process (spawned by rank 0, by a headless node, or by torchrun)."""
-    conn: Connection | None = None
-    try:
+    with worker_exit(f"rank {spec.rank}") as state:
         torch.set_num_threads(spec.threads)
         torch.set_grad_enabled(False)
-        store = parallel.make_store(spec.rank, spec.world, spec.port, spec.rendezvous_timeout_s,
-                                    spec.master_addr, is_master=False if spec.store_is_master is None
-                                    else spec.store_is_master)
-        conn = control.connect_to_rank0(store, spec.master_addr, spec.rank, spec.flags(), spec.who(),
-                                        spec.rendezvous_timeout_s)
-        parallel.init_group(store, spec.rank, spec.world, spec.timeout_s)
+        _, conn = join_rank0(spec.rank, spec.world, spec.port, spec.master_addr, spec.flags(), spec.who(),
+                             spec.rendezvous_timeout_s, spec.timeout_s)
+        state.conn = conn
         if spec.shm_path:
             parent = os.getppid()
             parallel.use_shared_memory(ShmAllReduce(spec.shm_path, spec.rank, spec.world, spec.shm_elems,
@@ -107,19 +147,3 @@ def worker_main(spec: WorkerSpec) -> None:
             hidden = model(meta.input_ids, meta.positions, MetadataAttention(pool, meta, backend))
             if len(meta.logit_rows):
                 model.compute_logits(hidden[meta.logit_rows])   # sends this rank's logits to rank 0
-    except (EOFError, KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
-        pass                                             # rank 0 is gone or Ctrl-C: just leave
-    except control.RendezvousError as e:
-        print(f"[minivllm] {e}", flush=True)            # no rank 0 to tell (or it refused us)
-        raise SystemExit(2)
-    except BaseException:
-        if conn is None:
-            traceback.print_exc()
-            raise SystemExit(1)
-        try:
-            conn.send(("error", f"rank {spec.rank}: {traceback.format_exc()}"))
-        except (OSError, ValueError):
-            pass
-        raise SystemExit(1)
-    finally:
-        parallel.close_group()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -30,9 +29,9 @@ import torch
 from minivllm_support.timeline import Timeline, answer_offset
 from step15_flash_attention.backends import choose_backend
 from step17_cpu_kernels.engine import cpu_fast_path
-from step18_tensor_parallel import control, parallel
+from step18_tensor_parallel import control
 from step18_tensor_parallel.metadata import MetadataAttention
-from step18_tensor_parallel.worker import model_bytes
+from step18_tensor_parallel.worker import join_rank0, model_bytes, worker_exit
 from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv06_pipeline_parallel.stage import Stage, load_stage, stage_config
 
@@ -101,16 +100,13 @@ def _fault(spec: StageSpec) -> tuple[str, int] | None:
 
 def stage_worker_main(spec: StageSpec) -> None:
     """Entry point of a stage process (spawned by rank 0 or by a headless node)."""
-    conn: Connection | None = None
-    try:
+    with worker_exit(f"rank {spec.rank} ({stage_label(spec.stage)})") as state:
         torch.set_num_threads(spec.threads)
         torch.set_grad_enabled(False)
         stage = spec.stage
-        store = parallel.make_store(spec.rank, stage.num_stages, spec.port, spec.rendezvous_timeout_s,
-                                    spec.master_addr, is_master=False)
-        conn = control.connect_to_rank0(store, spec.master_addr, spec.rank, spec.flags(), spec.who(),
-                                        spec.rendezvous_timeout_s)
-        parallel.init_group(store, spec.rank, stage.num_stages, startup_timeout(spec.timeout_s))
+        _, conn = join_rank0(spec.rank, stage.num_stages, spec.port, spec.master_addr, spec.flags(), spec.who(),
+                             spec.rendezvous_timeout_s, startup_timeout(spec.timeout_s))
+        state.conn = conn
         model, weights = prepare_stage(spec)
         num_blocks, block_size, backend_name = conn.recv()
         backend = choose_backend(backend_name)
@@ -118,22 +114,6 @@ def stage_worker_main(spec: StageSpec) -> None:
         conn.send(("ready", {"weight_bytes": weights, "kv_bytes": pool.nbytes}))
         answer_offset(conn)
         run_stage(spec, conn, model, pool, backend)
-    except (EOFError, KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
-        pass                                             # rank 0 is gone or Ctrl-C: just leave
-    except control.RendezvousError as e:
-        print(f"[minivllm] {e}", flush=True)            # no rank 0 to tell (or it refused us)
-        raise SystemExit(2)
-    except BaseException:
-        if conn is None:
-            traceback.print_exc()
-            raise SystemExit(1)
-        try:
-            conn.send(("error", f"rank {spec.rank} ({stage_label(spec.stage)}): {traceback.format_exc()}"))
-        except (OSError, ValueError):
-            pass
-        raise SystemExit(1)
-    finally:
-        parallel.close_group()
 
 
 def run_stage(spec: StageSpec, conn: Connection, model, pool, backend) -> None:

@@ -20,9 +20,7 @@ import os
 import pickle
 import socket
 import time
-import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 import torch
 
@@ -32,8 +30,8 @@ from advanced.adv07_context_parallel.zigzag import make_layout
 from minivllm_support.timeline import Timeline, answer_offset
 from step04_transformer.loader import load_model
 from step17_cpu_kernels.engine import cpu_fast_path
-from step18_tensor_parallel import control, parallel
-from step18_tensor_parallel.worker import model_bytes
+from step18_tensor_parallel import control
+from step18_tensor_parallel.worker import join_rank0, model_bytes, worker_exit
 
 # Fault injection, lesson 18's style: "raise@N", "hang@N" or "exit@N" makes the last rank fail
 # in the ring of layer 1 of its N-th prompt, so rank 0 is mid-ring, waiting for a hop.
@@ -110,17 +108,14 @@ def prefill_share(model, token_ids: list[int], rank: int, world: int, zigzag: bo
 def worker_main(spec: CPWorkerSpec) -> None:
     """Entry point of a worker process (spawned by rank 0, or by a headless node: lesson 18's
     `node.run_node(specs, worker_main, "cp")`)."""
-    conn: Connection | None = None
-    try:
+    with worker_exit(f"rank {spec.rank}") as state:
         torch.set_num_threads(spec.threads)
         torch.set_grad_enabled(False)
         if spec.exact_memory:
             exact_rss()
-        store = parallel.make_store(spec.rank, spec.world, spec.port, spec.rendezvous_timeout_s,
-                                    spec.master_addr, is_master=False)
-        conn = control.connect_to_rank0(store, spec.master_addr, spec.rank, spec.flags(), spec.who(),
-                                        spec.rendezvous_timeout_s)
-        parallel.init_group(store, spec.rank, spec.world, start_timeout(spec.timeout_s, spec.rendezvous_timeout_s))
+        _, conn = join_rank0(spec.rank, spec.world, spec.port, spec.master_addr, spec.flags(), spec.who(),
+                             spec.rendezvous_timeout_s, start_timeout(spec.timeout_s, spec.rendezvous_timeout_s))
+        state.conn = conn
         model = load_model(spec.folder, spec.dtype)
         weight_bytes = model_bytes(model)
         model = cpu_fast_path(model)                  # rank 0's engine runs the same transforms
@@ -149,19 +144,4 @@ def worker_main(spec: CPWorkerSpec) -> None:
             last = hidden[-1].float().numpy() if attn.layout.rank_of_last_token() == spec.rank else None
             conn.send(("done", {"job": job, "timeline": tl.to_dict(), "stats": attn.stats, "peak_bytes": mem.extra,
                                 "last_hidden": last}))
-    except (EOFError, KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
-        pass                                           # rank 0 is gone or Ctrl-C: just leave
-    except control.RendezvousError as e:
-        print(f"[minivllm] {e}", flush=True)            # no rank 0 to tell (or it refused us)
-        raise SystemExit(2)
-    except BaseException:
-        if conn is None:
-            traceback.print_exc()
-            raise SystemExit(1)
-        try:
-            conn.send(("error", f"rank {spec.rank}: {traceback.format_exc()}"))
-        except (OSError, ValueError):
-            pass
-        raise SystemExit(1)
-    finally:
-        parallel.close_group()
+

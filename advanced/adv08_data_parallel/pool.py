@@ -1,7 +1,7 @@
 """The collector side of the data-parallel front end: what is in flight where, and who hears what.
 
-    event loop: submit(pend) --lock--> router picks i --> replicas[i].live[rid] = pend --> pipe
-    collector thread:  wait(every replica's pipe, 0.2 s)
+    event loop: submit(pend) --lock--> router picks i --> replicas[i].live[rid] = pend --> its connection
+    collector thread:  wait(every replica's connection, 0.2 s)
         ("event", rid, ...)  -> pend's queue (via its event loop), the replica's load updated
         ("error", rid, ...)  -> the same class of error (StepFailed, EngineDead, ...) to pend
         EOF                  -> _died(): every pend of that replica is re-routed or told
@@ -30,7 +30,7 @@ from step18_tensor_parallel.workers import shutdown
 from step19_benchmark.faults import EngineDead, StepFailed
 from step20_real_model.params import SamplingParams
 
-# A replica's error crosses the pipe as its class name and is raised here as the same class, so
+# A replica's error crosses the connection as its class name and is raised here as the same class, so
 # lesson 21's API answers it as it would for one engine (StepFailed 500, EngineDead 503, ValueError 400).
 ERRORS = {"StepFailed": StepFailed, "EngineDead": EngineDead, "ValueError": ValueError, "TypeError": TypeError}
 
@@ -66,18 +66,18 @@ class ReplicaHandle:
     asked_at: float | None = None       # when the watchdog asked it for its stack
     stack: str | None = None
     timeline: dict | None = None        # its last Timeline.to_dict(), when asked for one
-    lock: threading.Lock = field(default_factory=threading.Lock)   # one writer at a time on the pipe
+    lock: threading.Lock = field(default_factory=threading.Lock)   # one writer at a time on the connection
 
     def load(self) -> ReplicaLoad:
         s = self.stats
         # A replica with an account (its engine died, or the watchdog is stopping it) takes no
-        # more requests, even before its pipe reaches EOF.
+        # more requests, even before its connection reaches EOF.
         return ReplicaLoad(len(self.live), s.num_running if s else 0,
                            s.kv_blocks_used / max(1, s.kv_blocks_total) if s else 0.0,
                            self.alive and self.account is None)
 
     def send(self, msg: tuple, block: bool = True) -> None:
-        """block=False (the watchdog): skip if another send is stuck on a full pipe, which a
+        """block=False (the watchdog): skip if another send is stuck on a full socket buffer, which a
         replica that stopped reading leaves behind; the kill that follows unsticks it."""
         if not self.lock.acquire(blocking=block):
             return

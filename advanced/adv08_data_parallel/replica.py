@@ -13,9 +13,9 @@
 Inside, it is lesson 21's serving stack without HTTP: the engine of lesson 20 (lesson 17's at
 tensor_parallel_size 1, with logprobs) under lesson 21's LogprobFrontEnd, the engine loop in
 the main thread (`drive`, lesson 19: oneDNN is fastest there) and an asyncio loop beside it
-that turns pipe messages into `stream()` calls. So lesson 19's fault rules hold unchanged: a
-failed step ends its own requests (StepFailed), repeated faults make the engine dead
-(EngineDead); the replica then tells the front end why and exits with lesson 21's exit code.
+that turns control-connection messages into `stream()` calls. So lesson 19's fault rules hold
+unchanged: a failed step ends its own requests (StepFailed), repeated faults make the engine
+dead (EngineDead); the replica then tells the front end why and exits with lesson 21's exit code.
 
 Every message carries the engine's stats: the front end's view of each replica's load is as
 fresh as the last token it produced. The connection is a TCP socket wrapped as a
@@ -190,7 +190,7 @@ def replica_main(spec: ReplicaSpec) -> None:
 
 
 async def _serve(front: LogprobFrontEnd, engine, conn: Connection, tl: Timeline) -> EngineDead | None:
-    """The asyncio side: pipe messages in, token events out. Returns the EngineDead that ended
+    """The asyncio side: control-connection messages in, token events out. Returns the EngineDead that ended
     the engine, or None after a stop."""
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
@@ -235,7 +235,7 @@ async def _serve(front: LogprobFrontEnd, engine, conn: Connection, tl: Timeline)
         finally:
             tasks.pop(rid, None)
 
-    threading.Thread(target=read, name="replica-pipe", daemon=True).start()
+    threading.Thread(target=read, name="replica-conn", daemon=True).start()
     while True:
         msg = await inbox.get()
         if msg is None:
