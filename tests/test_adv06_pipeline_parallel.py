@@ -7,6 +7,7 @@ killed mid-run named."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import socket
@@ -381,3 +382,45 @@ def test_a_node_killed_mid_run_names_the_lost_rank(tiny4, no_leftovers):
     finally:
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys, torch
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from advanced.adv06_pipeline_parallel.engine import PPEngine
+from advanced.adv06_pipeline_parallel.node import run_torchrun_stage
+folder = sys.argv[1]
+run_torchrun_stage(folder, 2, torch.float32)               # rank 1: be stage 1, then exit here
+config = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)
+with PPEngine(folder, config, pipeline_parallel_size=2, dtype=torch.float32, threads_per_rank=1) as engine:
+    outs = engine.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+print("TOKENS", json.dumps([s.output_token_ids for s in outs]))
+"""
+
+
+def test_torchrun_two_nodes_on_loopback(tiny4, tmp_path, no_leftovers):
+    """The same engine under `torchrun --nnodes 2` (one process per node): rank 0 builds the
+    PPEngine from torchrun's environment, rank 1 turns into stage 1 in place."""
+    prompts = _prompts(512, (20, 17, 3))
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = [s.output_token_ids for s in build_engine(load_model(tiny4, torch.float32), MULTI_CONFIG, use_graph=False)
+           .generate(prompts, sp)]
+    script = tmp_path / "pp_under_torchrun.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    port = _free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([*torchrun, "--node-rank", str(n), str(script), str(tiny4), json.dumps(prompts)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True) for n in (0, 1)]
+    try:
+        outs = [_gone(p, timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    line = next(x for x in outs[0].splitlines() if x.startswith("TOKENS"))
+    assert json.loads(line.split(" ", 1)[1]) == ref
