@@ -68,38 +68,59 @@ def run_node(specs: list, target=worker_main, name: str = "tp") -> int:
     return next((c for c in codes if c not in (0, None) and c > 0), 1 if any(c != 0 for c in codes) else 0)
 
 
+def node_parser(description: str, size_flag: str, node_command: str, timeout_help: str | None = None,
+                dtype_default: str = "auto") -> argparse.ArgumentParser:
+    """The flags every headless node takes (the advanced lessons' node.py files too): the model,
+    the engine's size, dtype, threads, an optional timeout, and the launch flags."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default=None, help="the checkpoint folder on this machine (same model as node 0)")
+    p.add_argument(size_flag, type=int, required=True, help="the engine's size in the whole run (as node 0's)")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default=dtype_default, help="must match node 0's "
+                   "(auto: bf16 where the CPU computes it natively, else fp32; refused at the rendezvous "
+                   "if the nodes differ)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks here)")
+    if timeout_help:
+        p.add_argument("--timeout-s", type=float, default=60.0, help=timeout_help)
+    add_launch_flags(p, node_command)
+    return p
+
+
+def node_launch(p: argparse.ArgumentParser, args, engine: str) -> tuple[NodeLaunch, torch.dtype]:
+    """This node's launch and dtype from the flags, or a usage error naming what is wrong."""
+    try:
+        launch = launch_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    if launch.node_rank == 0:
+        p.error(f"node 0 runs {engine} itself; this command is for --node-rank 1 and up")
+    return launch, auto_dtype() if args.dtype == "auto" else DTYPES[args.dtype]
+
+
+def become_worker(target, spec) -> None:
+    """Run `target(spec)` in this process (a torchrun rank) and exit with its code."""
+    try:
+        target(spec)
+    except SystemExit as e:
+        sys.exit(e.code)
+    sys.exit(0)
+
+
 def run_torchrun_worker(model: str, tp: int, dtype: torch.dtype, timeout_s: float = 60.0) -> None:
     """Under torchrun, on every rank but 0: be that rank's worker, then exit. A no-op elsewhere."""
     rank = torchrun_rank()
     if rank is None or rank == 0:
         return
     launch = NodeLaunch.from_env()
-    spec = WorkerSpec(str(model), rank, tp, launch.master_port, dtype, torch.get_num_threads(), timeout_s, True,
-                      master_addr=launch.master_addr, nnodes=launch.nnodes,
-                      rendezvous_timeout_s=launch.rendezvous_timeout_s)
-    try:
-        worker_main(spec)
-    except SystemExit as e:
-        sys.exit(e.code)
-    sys.exit(0)
+    become_worker(worker_main, WorkerSpec(str(model), rank, tp, launch.master_port, dtype, torch.get_num_threads(),
+                                          timeout_s, True, master_addr=launch.master_addr, nnodes=launch.nnodes,
+                                          rendezvous_timeout_s=launch.rendezvous_timeout_s))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Run this machine's tensor-parallel ranks for the engine on node 0.")
-    p.add_argument("--model", default=None, help="the checkpoint folder on this machine (same model as node 0)")
-    p.add_argument("--tensor-parallel-size", type=int, required=True)
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="must match node 0's "
-                   "(auto: bf16 where the CPU computes it natively, else fp32; refused at the rendezvous "
-                   "if the nodes differ)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="collective timeout (as node 0's)")
-    add_launch_flags(p)
+    p = node_parser("Run this machine's tensor-parallel ranks for the engine on node 0.", "--tensor-parallel-size",
+                    "python -m step18_tensor_parallel.node", "collective timeout (as node 0's)")
     args = p.parse_args(argv)
-    launch = launch_from_args(args)
-    if launch.node_rank == 0:
-        p.error("node 0 runs the engine itself (run.py, the LLM API or the server with --nnodes); "
-                "this command is for --node-rank 1 and up")
-    dtype = auto_dtype() if args.dtype == "auto" else DTYPES[args.dtype]
+    launch, dtype = node_launch(p, args, "the engine (run.py, the LLM API or the server with --nnodes)")
     specs = worker_specs(str(resolve_model(args.model)), args.tensor_parallel_size, dtype, launch,
                          args.timeout_s, args.threads)
     print(f"[minivllm] node {launch.node_rank}: ranks {[s.rank for s in specs]} of {args.tensor_parallel_size}, "

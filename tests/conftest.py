@@ -97,3 +97,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_leftovers():
+    """A test of a multi-process engine ends with no new child process (waited for up to 10 s).
+    Lesson 18's own test file has a stricter one (shared-memory files too)."""
+    from tests.processes import new_children, our_children
+    before = {p.pid for p in our_children()}
+    yield
+    assert new_children(before) == set()
+
+
+@pytest.fixture(scope="session")
+def tiny4(tmp_path_factory):
+    """The tiny random Qwen3 with 4 layers, so that 3 pipeline stages have a middle one."""
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-4l"), num_hidden_layers=4)

@@ -1,23 +1,16 @@
 """Advanced lesson 06: pipeline parallelism. The partition rule; stage models that chain to the
 full model (the LM head on rank 0, tied or not); PP engines with several micro-batches in flight
 and chunked prefill giving the single-process tokens (fp32); every worker fault a clear error in
-seconds with nothing left running; a timeline that validates; two "nodes" on one machine
-(lesson 18's launch path): the same tokens, a node with another layer split refused, a node
-killed mid-run named."""
+seconds with nothing left running; a timeline that validates. Across machines:
+test_adv06_multi_node.py."""
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -29,9 +22,7 @@ from step04_transformer.model import SingleSequenceAttention
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_cpu_kernels.engine import build_engine
-from step18_tensor_parallel.control import RendezvousError
 from step18_tensor_parallel.engine import WorkerFailed
-from step18_tensor_parallel.launch import NodeLaunch
 from step18_tensor_parallel.worker import model_bytes
 from advanced.adv06_pipeline_parallel.costmodel import (bubble_fractions, fit_hop, fit_lm_head, fit_stage_costs,
                                                         head_spans, hop_samples, layer_spans, micro_batches,
@@ -40,35 +31,7 @@ from advanced.adv06_pipeline_parallel.engine import PPEngine
 from advanced.adv06_pipeline_parallel.partition import PARTITION_ENV, partition_layers
 from advanced.adv06_pipeline_parallel.stage import Stage, load_stage
 from advanced.adv06_pipeline_parallel.worker import FAULT_ENV
-
-
-def _children() -> list[psutil.Process]:
-    """Our live child processes, less multiprocessing's resource tracker (one per interpreter,
-    started with the first spawned process and meant to outlive every engine)."""
-    out = []
-    for c in psutil.Process(os.getpid()).children(recursive=True):
-        try:
-            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline()):
-                out.append(c)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-@pytest.fixture
-def no_leftovers():
-    """Every engine test ends with no child process of ours left (waited for at most 10 s)."""
-    yield
-    deadline = time.time() + 10
-    while _children() and time.time() < deadline:
-        time.sleep(0.1)
-    assert _children() == []
-
-
-@pytest.fixture(scope="module")
-def tiny4(tmp_path_factory) -> Path:
-    """The tiny random Qwen3 with 4 layers, so that 3 stages have a middle one."""
-    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-4l"), num_hidden_layers=4)
+from tests.processes import our_children
 
 
 def _prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
@@ -111,7 +74,7 @@ def test_impossible_splits_are_refused_before_any_process(tiny_qwen3_dir, no_lef
         PPEngine(tiny_qwen3_dir, pipeline_parallel_size=2, num_micro_batches=0)
     with pytest.raises(ValueError, match="cannot be shared by 2 micro-batches"):
         PPEngine(tiny_qwen3_dir, PagedSchedulerConfig(block_size=4, kv_cache_bytes=600), pipeline_parallel_size=2)
-    assert _children() == []
+    assert our_children() == []
 
 
 # ---- stage models -----------------------------------------------------------------------------
@@ -299,128 +262,3 @@ def test_untied_model_keeps_its_lm_head_on_rank_0(tmp_path):
     load_stage(folder, Stage(1, 2, 2, 4), torch.float32)                  # the last stage does not need it
     with pytest.raises(KeyError, match="lm_head.weight"):
         load_stage(folder, Stage(0, 2, 0, 2), torch.float32)
-
-
-# ---- two "nodes" on one machine: lesson 18's launch path ----------------------------------------
-MULTI_CONFIG = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _node1(folder, port: int, *extra: str) -> subprocess.Popen:
-    """`python -m advanced.adv06_pipeline_parallel.node` as its own process tree: node 1."""
-    cmd = [sys.executable, "-m", "advanced.adv06_pipeline_parallel.node", "--model", str(folder),
-           "--pipeline-parallel-size", "2", "--dtype", "fp32", "--nnodes", "2", "--node-rank", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "--rendezvous-timeout-s", "20",
-           "--threads", "1", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _gone(proc: subprocess.Popen, timeout: float = 15) -> str:
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"node 1 still running after {timeout} s:\n{proc.communicate()[0]}")
-
-
-def _launch(port: int) -> NodeLaunch:
-    return NodeLaunch(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, rendezvous_timeout_s=20)
-
-
-def test_two_nodes_give_the_tokens_of_one_process(tiny4, capsys, no_leftovers):
-    prompts = _prompts(512, (20, 17, 3))
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    ref = [s.output_token_ids for s in build_engine(load_model(tiny4, torch.float32), MULTI_CONFIG, use_graph=False)
-           .generate(prompts, sp)]
-    port = _free_port()
-    node1 = _node1(tiny4, port)
-    try:
-        with PPEngine(tiny4, MULTI_CONFIG, pipeline_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
-                      launch=_launch(port)) as engine:
-            assert engine.workers == []                   # stage 1 lives on "node 1"
-            assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
-            assert len(engine.collect_timelines()) == 2   # its timeline comes over the control socket
-        assert "rank  node" in capsys.readouterr().out    # the placement table at start-up
-        out = _gone(node1)
-        assert node1.returncode == 0, out
-    finally:
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-
-
-def test_a_node_with_another_layer_split_is_refused(tiny4, no_leftovers):
-    port = _free_port()
-    bad = _node1(tiny4, port, "--partition", "1,3")                # node 0 splits 2,2
-    try:
-        with pytest.raises(RendezvousError, match="pp_layers=2,2.*pp_layers=1,3"):
-            PPEngine(tiny4, MULTI_CONFIG, pipeline_parallel_size=2, dtype=torch.float32, launch=_launch(port))
-        out = _gone(bad)
-        assert bad.returncode == 2 and "refused by rank 0" in out, out
-    finally:
-        if bad.poll() is None:
-            os.killpg(bad.pid, signal.SIGKILL)
-
-
-def test_a_node_killed_mid_run_names_the_lost_rank(tiny4, no_leftovers):
-    port = _free_port()
-    node1 = _node1(tiny4, port)
-    try:
-        engine = PPEngine(tiny4, MULTI_CONFIG, pipeline_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
-                          launch=_launch(port))
-        engine.generate(_prompts(512, (5,)), SamplingParams(max_tokens=5, ignore_eos=True))    # healthy first
-        os.killpg(node1.pid, signal.SIGKILL)                      # the whole machine goes
-        node1.communicate()
-        t0 = time.monotonic()
-        error = _generate_until_failure(engine)
-        assert time.monotonic() - t0 < 10
-        assert "rank 1 (node 1): connection lost" in str(error), error
-    finally:
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-
-
-TORCHRUN_SCRIPT = """
-import json, sys, torch
-from step06_sampler.params import SamplingParams
-from step12_paged_attention.scheduler import PagedSchedulerConfig
-from advanced.adv06_pipeline_parallel.engine import PPEngine
-from advanced.adv06_pipeline_parallel.node import run_torchrun_stage
-folder = sys.argv[1]
-run_torchrun_stage(folder, 2, torch.float32)               # rank 1: be stage 1, then exit here
-config = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)
-with PPEngine(folder, config, pipeline_parallel_size=2, dtype=torch.float32, threads_per_rank=1) as engine:
-    outs = engine.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-print("TOKENS", json.dumps([s.output_token_ids for s in outs]))
-"""
-
-
-def test_torchrun_two_nodes_on_loopback(tiny4, tmp_path, no_leftovers):
-    """The same engine under `torchrun --nnodes 2` (one process per node): rank 0 builds the
-    PPEngine from torchrun's environment, rank 1 turns into stage 1 in place."""
-    prompts = _prompts(512, (20, 17, 3))
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    ref = [s.output_token_ids for s in build_engine(load_model(tiny4, torch.float32), MULTI_CONFIG, use_graph=False)
-           .generate(prompts, sp)]
-    script = tmp_path / "pp_under_torchrun.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    port = _free_port()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([*torchrun, "--node-rank", str(n), str(script), str(tiny4), json.dumps(prompts)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              start_new_session=True) for n in (0, 1)]
-    try:
-        outs = [_gone(p, timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert [p.returncode for p in procs] == [0, 0], outs
-    line = next(x for x in outs[0].splitlines() if x.startswith("TOKENS"))
-    assert json.loads(line.split(" ", 1)[1]) == ref

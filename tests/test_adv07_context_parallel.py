@@ -8,13 +8,9 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
-import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,30 +28,7 @@ from step17_cpu_kernels.engine import build_engine
 from step18_tensor_parallel.control import RendezvousError
 from step18_tensor_parallel.launch import NodeLaunch
 from step18_tensor_parallel.workers import WorkerFailed
-
-
-def _children() -> list[psutil.Process]:
-    """Live child processes, less multiprocessing's resource tracker (one per interpreter, started
-    by the first spawn, by design alive until this process exits)."""
-    alive = []
-    for p in psutil.Process(os.getpid()).children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
-                alive.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-@pytest.fixture
-def no_leftovers():
-    """Every engine test must end with no child process of this one."""
-    before = {p.pid for p in _children()}
-    yield
-    deadline = time.time() + 5
-    while {p.pid for p in _children()} - before and time.time() < deadline:
-        time.sleep(0.1)
-    assert {p.pid for p in _children()} - before == set()
+from tests.processes import free_port, gone, kill_tree, start_node
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -236,22 +209,13 @@ def test_gc_leaves_nothing_and_bad_sizes_are_refused(tiny_qwen3_dir, no_leftover
 
 
 # ---- two "machines" on loopback (lesson 18's NodeLaunch) ------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_second_node_gives_the_same_tokens(tiny_qwen3_dir, no_leftovers):
     prompt, sp = _prompt(61, 512), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ref = build_engine(load_model(tiny_qwen3_dir, torch.float32), CONFIG, use_graph=False)
     want = ref.generate([prompt], sp)[0].output_token_ids
-    port = _free_port()
-    node1 = subprocess.Popen([sys.executable, "-m", "advanced.adv07_context_parallel.node", "--model",
-                              str(tiny_qwen3_dir), "--context-parallel-size", "2", "--dtype", "fp32", "--threads", "1",
-                              "--nnodes", "2", "--node-rank", "1", "--master-port", str(port),
-                              "--rendezvous-timeout-s", "30", "--timeout-s", "20"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    port = free_port()
+    node1 = start_node("advanced.adv07_context_parallel.node", tiny_qwen3_dir, port, "--context-parallel-size", "2",
+                       "--timeout-s", "20")
     try:
         launch = NodeLaunch(nnodes=2, node_rank=0, master_port=port, rendezvous_timeout_s=30)
         with CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
@@ -264,16 +228,14 @@ def test_a_second_node_gives_the_same_tokens(tiny_qwen3_dir, no_leftovers):
             while engine.has_unfinished():
                 engine.step()
             assert seq.output_token_ids == want
-        out, _ = node1.communicate(timeout=20)                  # node 0 closed the run: node 1 ends, code 0
+        out = gone(node1, 20)                                   # node 0 closed the run: node 1 ends, code 0
         assert node1.returncode == 0, out
     finally:
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-            node1.communicate()
+        kill_tree(node1)
 
 
 def test_a_node_that_never_joins_is_named(tiny_qwen3_dir, no_leftovers):
-    launch = NodeLaunch(nnodes=2, node_rank=0, master_port=_free_port(), rendezvous_timeout_s=2)
+    launch = NodeLaunch(nnodes=2, node_rank=0, master_port=free_port(), rendezvous_timeout_s=2)
     t0 = time.monotonic()
     with pytest.raises(RendezvousError, match=r"node rank\(s\) \[1\] never joined"):
         CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32, launch=launch)

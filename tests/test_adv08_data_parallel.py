@@ -2,17 +2,14 @@
 conversation on the replica holding its prefix, the imbalance override, vLLM issue 52463's
 rotating tie-break), DP=2 tokens identical to one engine (fp32, greedy), lesson 21's API on
 top, replica faults (a step that raises, an engine that dies, a hang, a kill) surfacing in
-seconds with the replica's own account and no process left behind, and two "nodes" on one
-machine (node 1 = `python -m advanced.adv08_data_parallel.node`, its own process tree)."""
+seconds with the replica's own account and no process left behind. Across machines:
+test_adv08_multi_node.py."""
 from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import signal
-import socket
-import subprocess
-import sys
+import os
 import time
 
 import psutil
@@ -28,24 +25,11 @@ from step19_benchmark.faults import EngineDead, StepFailed
 from step19_benchmark.loadgen import Request, engine_sender
 from minivllm_support.timeline import chrome_trace, validate_trace
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step18_tensor_parallel.control import RendezvousError
-from step18_tensor_parallel.launch import NodeLaunch
 from step20_real_model.engine import LogprobsEngine
 from step20_real_model.params import SamplingParams
+from tests.processes import our_children
 
 WAIT_S = 20.0            # the bound on any wait here: a failure must show well before it
-
-
-def _children() -> list[psutil.Process]:
-    """Our live child processes, less multiprocessing's resource tracker (it lives as long as we do)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def _running(pids: list[int]) -> list[int]:
@@ -62,7 +46,7 @@ def _running(pids: list[int]) -> list[int]:
 def _none_left(pids: list[int] | None = None) -> bool:
     """The given processes (default: every child of ours) are gone, within WAIT_S."""
     def left() -> list:
-        return _running(pids) if pids is not None else _children()
+        return _running(pids) if pids is not None else our_children()
     deadline = time.monotonic() + WAIT_S
     while left() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -280,10 +264,10 @@ def test_abort_frees_the_request_and_garbage_collection_leaves_no_process(tiny_q
     del front
     gc.collect()                                            # the finalizer stops the replicas
     assert _none_left(pids)
-    before = len(_children())
+    before = len(our_children())
     with pytest.raises(ValueError, match="unknown routing policy"):
         DPFrontEnd(tiny_qwen3_dir, 2, "fastest")             # refused before any process starts
-    assert len(_children()) == before
+    assert len(our_children()) == before
 
 
 def test_a_replica_that_fails_to_start_says_why_and_nothing_is_left(tiny_qwen3_dir, tmp_path):
@@ -292,101 +276,10 @@ def test_a_replica_that_fails_to_start_says_why_and_nothing_is_left(tiny_qwen3_d
     for f in tiny_qwen3_dir.iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
     (broken / "model.safetensors").write_bytes(b"not a checkpoint")
-    before = len(_children())
+    before = len(our_children())
     with pytest.raises(RuntimeError, match="(?s)replica 0 failed while starting.*SafetensorError"):
         DPFrontEnd(broken, 1, "round_robin")                # its own traceback, in the error
     deadline = time.monotonic() + WAIT_S
-    while len(_children()) > before and time.monotonic() < deadline:
+    while len(our_children()) > before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(_children()) <= before
-
-
-# ---- two nodes on one machine (lesson 18's test_step18_multi_node pattern) ------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _node1(folder, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "advanced.adv08_data_parallel.node", "--model", str(folder),
-           "--data-parallel-size", "2", "--dtype", "fp32", "--nnodes", "2", "--node-rank", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "--rendezvous-timeout-s", "20",
-           "--threads", "1", "--kv-mib", "16", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _gone(proc: subprocess.Popen, timeout: float = WAIT_S) -> str:
-    """Wait for node 1; kill its whole tree if it overstays. Returns what it printed."""
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"node 1 still running after {timeout} s:\n{proc.communicate()[0]}")
-
-
-def _no_new_children(before: set[int]) -> bool:
-    """No child process of ours but those alive before the test (the module's smol replicas)."""
-    deadline = time.monotonic() + WAIT_S
-    while {p.pid for p in _children()} - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not {p.pid for p in _children()} - before
-
-
-def _two_nodes(folder, port: int, **kw) -> DPFrontEnd:
-    launch = NodeLaunch(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, rendezvous_timeout_s=20)
-    return DPFrontEnd(folder, 2, "round_robin", dtype=torch.float32, kv_cache_bytes=16 * 2**20, launch=launch, **kw)
-
-
-def test_two_nodes_serve_one_engines_tokens_then_node1_dies_and_only_its_requests_fail(tiny_qwen3_dir):
-    before = {p.pid for p in _children()}
-    prompts = [[5, 9, 33, 7] * 5, list(range(40, 57)), [3, 4], [11] * 9]
-    engine = LogprobsEngine(tiny_qwen3_dir, PagedSchedulerConfig(kv_cache_bytes=16 * 2**20), dtype=torch.float32,
-                            threads_per_rank=1, use_graph=False)
-    try:
-        expected = [s.output_token_ids for s in engine.generate(prompts, _greedy(6))]
-    finally:
-        engine.close()
-    port = _free_port()
-    node1 = _node1(tiny_qwen3_dir, port)
-    try:
-        with _two_nodes(tiny_qwen3_dir, port) as front:
-            rep0, rep1 = front._pool.replicas
-            assert rep0.proc is not None and rep1.proc is None and rep1.node == 1   # replica 1: node 1's
-
-            async def all_at_once():
-                return await asyncio.gather(*(_tokens(front, p, 6) for p in prompts))
-            assert _run(all_at_once()) == expected and front.routed() == [2, 2]
-
-            async def killed_midway():                      # replica 1's (round robin): tokens, then the error
-                got = []
-                with pytest.raises(EngineDead, match=r"replica 1 died.*node 1: connection lost"):
-                    async for e in front.generate([3] * 8, _greedy(400)):
-                        got.append(e.token_id)
-                        if len(got) == 2:
-                            os.killpg(node1.pid, signal.SIGKILL)     # the whole machine goes
-                return got
-            assert _run(_tokens(front, [7] * 8))             # replica 0
-            assert len(_run(killed_midway())) >= 2
-            node1.communicate()
-            assert front.alive() == [True, False]
-            assert _run(_tokens(front, [8] * 8)) and front.routed() == [4, 3]   # node 0 serves on
-    finally:
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-    assert _no_new_children(before)
-
-
-def test_a_node_with_other_flags_is_refused_naming_the_field(tiny_qwen3_dir):
-    before = {p.pid for p in _children()}
-    port = _free_port()
-    bad = _node1(tiny_qwen3_dir, port, "--dtype", "bf16")     # node 0 runs fp32 (the last flag wins)
-    try:
-        with pytest.raises(RendezvousError, match="dtype: node 0 has 'torch.float32', this node has 'torch.bfloat16'"):
-            _two_nodes(tiny_qwen3_dir, port)
-        out = _gone(bad)
-        assert bad.returncode == 2 and "refused by rank 0" in out, out
-    finally:
-        if bad.poll() is None:
-            os.killpg(bad.pid, signal.SIGKILL)
-    assert _no_new_children(before)
+    assert len(our_children()) <= before

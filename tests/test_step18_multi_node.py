@@ -5,14 +5,8 @@ flags, and one killed mid-run all end in seconds with a message naming it, and n
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -21,53 +15,19 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step18_tensor_parallel.control import RendezvousError
 from step18_tensor_parallel.engine import TPEngine, WorkerFailed
 from step18_tensor_parallel.launch import NodeLaunch, placement, placement_table
+from tests.processes import free_port, gone, kill_tree, new_children, start_node, torchrun_tokens
 
 PROMPTS = [[5, 9, 33, 7] * 5, list(range(40, 57)), [3, 4]]
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 CONFIG = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _node1(folder, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "step18_tensor_parallel.node", "--model", str(folder), "--tensor-parallel-size", "2",
-           "--dtype", "fp32", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "--rendezvous-timeout-s", "20", "--threads", "1", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def _gone(proc: subprocess.Popen, timeout: float = 15) -> str:
-    """Wait for a node process; kill its tree if it overstays. Returns what it printed."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"node 1 still running after {timeout} s:\n{out}")
-    return out
+def _node1(folder, port: int, *extra: str):
+    return start_node("step18_tensor_parallel.node", folder, port, "--tensor-parallel-size", "2", *extra)
 
 
 def _no_children():
-    """No process of ours left (multiprocessing's resource tracker, started by any earlier test
-    that spawned, lives as long as this process: not ours to stop)."""
-    def ours():
-        kids = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                if "resource_tracker" not in " ".join(p.cmdline()):
-                    kids.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        return kids
-    deadline = time.time() + 10
-    while ours() and time.time() < deadline:
-        time.sleep(0.1)
-    assert ours() == []
+    assert new_children(set()) == set()        # nothing of ours left (the resource tracker aside)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +60,7 @@ def test_launch_flags_are_checked_and_torchrun_env_is_read():
 
 
 def test_two_nodes_give_the_tokens_of_one_process(tiny_qwen3_dir, tp1_tokens, capsys):
-    port = _free_port()
+    port = free_port()
     node1 = _node1(tiny_qwen3_dir, port)
     try:
         launch = NodeLaunch(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, rendezvous_timeout_s=20)
@@ -109,16 +69,15 @@ def test_two_nodes_give_the_tokens_of_one_process(tiny_qwen3_dir, tp1_tokens, ca
             assert engine.workers == [] and engine.all_reduce == "gloo"     # rank 1 lives on "node 1"
             assert [s.output_token_ids for s in engine.generate(PROMPTS, SP)] == tp1_tokens
         assert "rank  node" in capsys.readouterr().out          # the placement table at start-up
-        out = _gone(node1)
+        out = gone(node1)
         assert node1.returncode == 0, out
     finally:
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
+        kill_tree(node1)
     _no_children()
 
 
 def test_a_node_that_never_joins_is_named(tiny_qwen3_dir):
-    launch = NodeLaunch(nnodes=2, node_rank=0, master_port=_free_port(), rendezvous_timeout_s=2)
+    launch = NodeLaunch(nnodes=2, node_rank=0, master_port=free_port(), rendezvous_timeout_s=2)
     t0 = time.monotonic()
     with pytest.raises(RendezvousError, match=r"node rank\(s\) \[1\] never joined"):
         TPEngine(tiny_qwen3_dir, CONFIG, tensor_parallel_size=2, dtype=torch.float32, launch=launch)
@@ -127,30 +86,28 @@ def test_a_node_that_never_joins_is_named(tiny_qwen3_dir):
 
 
 def test_a_node_with_other_flags_is_refused_naming_the_field(tiny_qwen3_dir):
-    port = _free_port()
+    port = free_port()
     bad = _node1(tiny_qwen3_dir, port, "--dtype", "bf16")           # node 0 runs fp32 (last flag wins)
     try:
         launch = NodeLaunch(nnodes=2, node_rank=0, master_port=port, rendezvous_timeout_s=20)
         with pytest.raises(RendezvousError, match="dtype: node 0 has 'torch.float32', this node has 'torch.bfloat16'"):
             TPEngine(tiny_qwen3_dir, CONFIG, tensor_parallel_size=2, dtype=torch.float32, launch=launch)
-        out = _gone(bad)
+        out = gone(bad)
         assert bad.returncode == 2 and "refused by rank 0" in out and "dtype" in out, out
     finally:
-        if bad.poll() is None:
-            os.killpg(bad.pid, signal.SIGKILL)
+        kill_tree(bad)
     _no_children()
 
 
 def test_a_node_killed_mid_run_ends_the_engine_in_seconds(tiny_qwen3_dir):
-    port = _free_port()
+    port = free_port()
     node1 = _node1(tiny_qwen3_dir, port)
     try:
         launch = NodeLaunch(nnodes=2, node_rank=0, master_port=port, rendezvous_timeout_s=20)
         engine = TPEngine(tiny_qwen3_dir, CONFIG, tensor_parallel_size=2, dtype=torch.float32, launch=launch,
                           threads_per_rank=1)
         engine.generate(PROMPTS[:1], SP)                               # healthy first
-        os.killpg(node1.pid, signal.SIGKILL)                          # the whole machine goes
-        node1.communicate()
+        kill_tree(node1)                                              # the whole machine goes
         for p in PROMPTS:
             engine.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True))
         t0 = time.monotonic()
@@ -159,8 +116,7 @@ def test_a_node_killed_mid_run_ends_the_engine_in_seconds(tiny_qwen3_dir):
                 engine.step()
         assert time.monotonic() - t0 < 10 and engine.closed
     finally:
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
+        kill_tree(node1)
     _no_children()
 
 
@@ -180,21 +136,4 @@ print("TOKENS", json.dumps([s.output_token_ids for s in outs]))
 
 
 def test_torchrun_two_nodes_on_loopback(tiny_qwen3_dir, tp1_tokens, tmp_path):
-    script = tmp_path / "tp_under_torchrun.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    port = _free_port()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([*torchrun, "--node-rank", str(n), str(script), str(tiny_qwen3_dir), json.dumps(PROMPTS)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              start_new_session=True) for n in (0, 1)]
-    try:
-        outs = [_gone(p, timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert [p.returncode for p in procs] == [0, 0], outs
-    line = next(x for x in outs[0].splitlines() if x.startswith("TOKENS"))
-    assert json.loads(line.split(" ", 1)[1]) == tp1_tokens
+    assert torchrun_tokens(tmp_path, TORCHRUN_SCRIPT, str(tiny_qwen3_dir), json.dumps(PROMPTS)) == tp1_tokens

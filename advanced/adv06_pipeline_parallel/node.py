@@ -18,17 +18,14 @@ than 0 into its stage in place (call it first thing, before building the engine 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from minivllm_support.cli import DTYPES
-from minivllm_support.cpu import auto_dtype
 from minivllm_support.models import resolve_model
 from step04_transformer.config import ModelConfig
-from step18_tensor_parallel.launch import NodeLaunch, add_launch_flags, launch_from_args, torchrun_rank
-from step18_tensor_parallel.node import run_node
+from step18_tensor_parallel.launch import NodeLaunch, torchrun_rank
+from step18_tensor_parallel.node import become_worker, node_launch, node_parser, run_node
 from advanced.adv06_pipeline_parallel.partition import partition_layers
 from advanced.adv06_pipeline_parallel.stage import Stage
 from advanced.adv06_pipeline_parallel.worker import StageSpec, stage_worker_main
@@ -54,31 +51,16 @@ def run_torchrun_stage(model: str, pp: int, dtype: torch.dtype, timeout_s: float
         return
     specs = stage_specs(str(model), pp, dtype, NodeLaunch.from_env(), timeout_s, torch.get_num_threads(),
                         layer_partition)
-    spec = next(s for s in specs if s.rank == rank)
-    try:
-        stage_worker_main(spec)
-    except SystemExit as e:
-        sys.exit(e.code)
-    sys.exit(0)
+    become_worker(stage_worker_main, next(s for s in specs if s.rank == rank))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Run this machine's pipeline stages for the engine on node 0.")
-    p.add_argument("--model", default=None, help="the checkpoint folder on this machine (same model as node 0)")
-    p.add_argument("--pipeline-parallel-size", type=int, required=True)
+    p = node_parser("Run this machine's pipeline stages for the engine on node 0.", "--pipeline-parallel-size",
+                    "python -m advanced.adv06_pipeline_parallel.node", "how long a stage waits for its upstream one")
     p.add_argument("--partition", default=None, help="layers per stage, e.g. 13,17 (as node 0's; default: "
                    "partition.py's rule; refused at the rendezvous if the nodes differ)")
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="must match node 0's "
-                   "(auto: bf16 where the CPU computes it natively, else fp32)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per stage (default: cores / stages)")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="how long a stage waits for its upstream one")
-    add_launch_flags(p)
     args = p.parse_args(argv)
-    launch = launch_from_args(args)
-    if launch.node_rank == 0:
-        p.error("node 0 runs the engine itself (run.py or PPEngine with launch=...); "
-                "this command is for --node-rank 1 and up")
-    dtype = auto_dtype() if args.dtype == "auto" else DTYPES[args.dtype]
+    launch, dtype = node_launch(p, args, "the engine (run.py or PPEngine with launch=...)")
     try:
         specs = stage_specs(str(resolve_model(args.model)), args.pipeline_parallel_size, dtype, launch,
                             args.timeout_s, args.threads, args.partition)

@@ -14,17 +14,14 @@ joined, or refused for other flags, named in the message), 1 a worker failed.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from advanced.adv07_context_parallel.worker import CPWorkerSpec, worker_main
-from minivllm_support.cli import DTYPES
-from minivllm_support.cpu import auto_dtype
 from minivllm_support.models import resolve_model
-from step18_tensor_parallel.launch import NodeLaunch, add_launch_flags, launch_from_args
-from step18_tensor_parallel.node import run_node
+from step18_tensor_parallel.launch import NodeLaunch
+from step18_tensor_parallel.node import node_launch, node_parser, run_node
 
 
 def node_specs(folder: str, cp: int, dtype: torch.dtype, launch: NodeLaunch, timeout_s: float = 60.0,
@@ -37,21 +34,10 @@ def node_specs(folder: str, cp: int, dtype: torch.dtype, launch: NodeLaunch, tim
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Run this machine's context-parallel ranks for the engine on node 0.")
-    p.add_argument("--model", default=None, help="the checkpoint folder on this machine (same model as node 0)")
-    p.add_argument("--context-parallel-size", type=int, required=True)
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="must match node 0's "
-                   "(auto: bf16 where the CPU computes it natively, else fp32; refused at the rendezvous "
-                   "if the nodes differ)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="how long a ring hop waits (as node 0's)")
-    add_launch_flags(p, "python -m advanced.adv07_context_parallel.node")
+    p = node_parser("Run this machine's context-parallel ranks for the engine on node 0.", "--context-parallel-size",
+                    "python -m advanced.adv07_context_parallel.node", "how long a ring hop waits (as node 0's)")
     args = p.parse_args(argv)
-    launch = launch_from_args(args)
-    if launch.node_rank == 0:
-        p.error("node 0 runs the engine itself (run.py or CPEngine with launch=...); "
-                "this command is for --node-rank 1 and up")
-    dtype = auto_dtype() if args.dtype == "auto" else DTYPES[args.dtype]
+    launch, dtype = node_launch(p, args, "the engine (run.py or CPEngine with launch=...)")
     try:
         specs = node_specs(str(resolve_model(args.model)), args.context_parallel_size, dtype, launch,
                            args.timeout_s, args.threads)

@@ -18,18 +18,15 @@ SIGTERM stops every replica of this node.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from advanced.adv08_data_parallel.frontend import local_replicas
 from advanced.adv08_data_parallel.replica import ReplicaSpec, replica_main
-from minivllm_support.cli import DTYPES
-from minivllm_support.cpu import auto_dtype
 from minivllm_support.models import resolve_model
-from step18_tensor_parallel.launch import NodeLaunch, add_launch_flags, launch_from_args
-from step18_tensor_parallel.node import run_node
+from step18_tensor_parallel.launch import NodeLaunch
+from step18_tensor_parallel.node import node_launch, node_parser, run_node
 
 
 def replica_specs(folder: str, num_replicas: int, dtype: torch.dtype, launch: NodeLaunch, *, threads: int | None = None,
@@ -44,24 +41,15 @@ def replica_specs(folder: str, num_replicas: int, dtype: torch.dtype, launch: No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Run this machine's data-parallel replicas for the front end on node 0.")
-    p.add_argument("--model", default=None, help="the checkpoint folder on this machine (same model as node 0)")
-    p.add_argument("--data-parallel-size", type=int, required=True, help="replicas in the whole run (as node 0's)")
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="fp32", help="must match node 0's "
-                   "(DPFrontEnd's default is fp32; refused at the rendezvous if the nodes differ)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: cores / replicas)")
+    p = node_parser("Run this machine's data-parallel replicas for the front end on node 0.", "--data-parallel-size",
+                    "python -m advanced.adv08_data_parallel.node", dtype_default="fp32")   # DPFrontEnd's default
     p.add_argument("--kv-mib", type=int, default=128, help="KV pool of each replica here")
     p.add_argument("--max-num-seqs", type=int, default=16)
-    add_launch_flags(p)
     args = p.parse_args(argv)
     if args.data_parallel_size < 1:
         p.error(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    launch, dtype = node_launch(p, args, "the front end (DPFrontEnd or build_dp_server with launch=...)")
     try:
-        launch = launch_from_args(args)
-        if launch.node_rank == 0:
-            p.error("node 0 runs the front end itself (DPFrontEnd or build_dp_server with launch=...); "
-                    "this command is for --node-rank 1 and up")
-        dtype = auto_dtype() if args.dtype == "auto" else DTYPES[args.dtype]
         specs = replica_specs(str(resolve_model(args.model)), args.data_parallel_size, dtype, launch,
                               threads=args.threads, max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_mib * 2**20)
     except ValueError as e:

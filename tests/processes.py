@@ -1,0 +1,87 @@
+"""Helpers for the tests of multi-process engines: our child processes, a free port, a headless
+"node" started as its own process tree, and the same engine under torchrun on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+
+def our_children() -> list[psutil.Process]:
+    """Live child processes of this one, less multiprocessing's resource tracker (one per
+    interpreter, started by the first spawn and meant to live as long as we do)."""
+    alive = []
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def new_children(before: set[int], timeout_s: float = 10.0) -> set[int]:
+    """Children that were not there `before` and still are after waiting up to timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while (left := {p.pid for p in our_children()} - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_node(module: str, folder, port: int, *flags: str) -> subprocess.Popen:
+    """`python -m module` as node 1 of 2 on loopback, in its own session (its own process tree:
+    it shares nothing with node 0 but the rendezvous address)."""
+    cmd = [sys.executable, "-m", module, "--model", str(folder), "--dtype", "fp32", "--threads", "1",
+           "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "--rendezvous-timeout-s", "20", *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def gone(proc: subprocess.Popen, timeout_s: float = 15.0) -> str:
+    """Wait for a node process; kill its tree and fail if it overstays. Returns what it printed."""
+    try:
+        return proc.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{proc.args[2]} still running after {timeout_s} s:\n{proc.communicate()[0]}")
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def torchrun_tokens(tmp_path: Path, script: str, *args: str, timeout_s: float = 90.0) -> list[list[int]]:
+    """Run `script` (it prints "TOKENS <json>" on rank 0) as `torchrun --nnodes 2 --nproc-per-node 1`
+    twice on loopback, one launch per "node"; both must exit 0. Returns rank 0's tokens."""
+    path = tmp_path / "under_torchrun.py"
+    path.write_text(script)
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([*torchrun, "--node-rank", str(n), str(path), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) for n in (0, 1)]
+    try:
+        outs = [gone(p, timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    line = next(x for x in outs[0].splitlines() if x.startswith("TOKENS"))
+    return json.loads(line.split(" ", 1)[1])
