@@ -120,13 +120,12 @@ class ControlServer:
             conn.close()
             return None
         why = None
-        if rank not in expected or rank in conns:
+        diff = flags.mismatch(theirs)     # first: a node with other sizes also claims other ranks
+        if diff:
+            why = (f"node rank {node_of(rank) if rank in expected else '?'} ({who}) was started with different "
+                   f"flags than node 0 - {diff}; start every node with the same model, dtype and sizes")
+        elif rank not in expected or rank in conns:
             why = f"rank {rank} is not expected (or joined twice): expected ranks {expected}"
-        else:
-            diff = flags.mismatch(theirs)
-            if diff:
-                why = (f"node rank {node_of(rank)} ({who}) was started with different flags than node 0 - {diff}; "
-                       f"start every node with the same model, dtype and sizes")
         if why:
             conn.send(("refused", why))
             conn.close()

@@ -8,6 +8,7 @@ naming the tensor.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,13 +18,17 @@ from step04_transformer.loader import check_all_filled, checkpoint_tensors
 from step18_tensor_parallel.model import TPCausalLM
 
 
-def load_sharded(model: TPCausalLM, folder: str | Path) -> None:
+def load_sharded(model: TPCausalLM, folder: str | Path, keep: Callable[[str], bool] | None = None) -> None:
+    """keep(name) False: the tensor belongs to another rank's part of the model (a pipeline stage
+    of advanced lesson 06) and is not read."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())         # a tied head's weight is listed once, as the embedding
     tied = model.full_config.tie_word_embeddings
     filled: set[str] = set()
     stored_head = None
     for file, name, f in checkpoint_tensors(folder):
+        if keep is not None and not keep(name):
+            continue
         if tied and name == "lm_head.weight":
             stored_head = f.get_slice(name)       # a tied checkpoint may still store it: checked below
             continue
@@ -44,9 +49,10 @@ def load_sharded(model: TPCausalLM, folder: str | Path) -> None:
             raise KeyError(f"checkpoint tensor {name!r} appears twice")
         filled.add(local)
     if stored_head is not None:
-        emb = model.model.embed_tokens
-        mine = stored_head[emb.start:emb.end].to(emb.weight.dtype)
-        if not torch.equal(mine, emb.weight[:emb.end - emb.start]):
+        emb = model.model.embed_tokens      # this rank's rows (all of them when not split)
+        start, end = getattr(emb, "start", 0), getattr(emb, "end", emb.weight.shape[0])
+        mine = stored_head[start:end].to(emb.weight.dtype)
+        if not torch.equal(mine, emb.weight[:end - start]):
             raise ValueError("config says tie_word_embeddings but the checkpoint's lm_head.weight differs "
                              "from model.embed_tokens.weight")
     check_all_filled(params, filled, folder)

@@ -34,6 +34,9 @@ class CommStats:
 
 COMM = CommStats()
 _shm = None     # a ShmAllReduce (shm_allreduce.py) when the ranks share memory for all-reduces
+# The ranks an all-reduce spans: None is every rank (this lesson); a pipeline of tensor-parallel
+# stages (advanced lesson 06) gives each stage its own group, vLLM's "TP group".
+_tp_group = None
 
 
 def backend_for(device_type: str) -> str:
@@ -66,8 +69,15 @@ def use_shared_memory(comm) -> None:
     _shm = comm
 
 
+def use_tp_group(group) -> None:
+    """Make the layers' all-reduces span `group` (a dist.new_group) instead of every rank."""
+    global _tp_group
+    _tp_group = group
+
+
 def close_group() -> None:
     use_shared_memory(None)
+    use_tp_group(None)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -93,7 +103,7 @@ def all_reduce(x: Tensor) -> Tensor:
     if _shm is not None and _shm.fits(x):   # the same choice on every rank: x has the same size on all
         _collective("all-reduce (shared memory)", _shm, x)
     else:
-        _collective("all-reduce", dist.all_reduce, x)
+        _collective("all-reduce", dist.all_reduce, x, group=_tp_group)
     COMM.seconds += time.perf_counter() - t0
     COMM.calls += 1
     COMM.bytes += x.numel() * x.element_size()

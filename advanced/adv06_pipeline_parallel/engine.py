@@ -44,10 +44,12 @@ from step18_tensor_parallel import parallel
 from step18_tensor_parallel.engine import _release
 from step18_tensor_parallel.launch import NodeLaunch, placement, placement_table
 from step18_tensor_parallel.metadata import StepMetadata
+from step18_tensor_parallel.model import local_config
 from step18_tensor_parallel.workers import WorkerFailed, WorkerSet
 from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv06_pipeline_parallel.partition import partition_layers
 from advanced.adv06_pipeline_parallel.stage import Stage, stage_config
+from advanced.adv06_pipeline_parallel.tp_stage import join_tp_groups
 from advanced.adv06_pipeline_parallel.virtual import InFlight, VirtualEngine, step_inputs, virtual_engines
 from advanced.adv06_pipeline_parallel.worker import (StageSpec, prepare_stage, run_flags, stage_label,
                                                      stage_worker_main, startup_timeout)
@@ -55,17 +57,19 @@ from advanced.adv06_pipeline_parallel.worker import (StageSpec, prepare_stage, r
 
 class PPEngine(LLMEngine):
     def __init__(self, model: str | Path, scheduler: PagedSchedulerConfig | None = None, *,
-                 pipeline_parallel_size: int = 2, num_micro_batches: int | None = None,
+                 pipeline_parallel_size: int = 2, num_micro_batches: int | None = None, tensor_parallel_size: int = 1,
                  dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None, timeout_s: float = 60.0,
                  layer_partition=None, attention_backend: str = "auto", fast_path: bool = True,
                  launch: NodeLaunch | None = None):
         """model: a checkpoint folder (each stage reads only its tensors). num_micro_batches:
         micro-batches in flight (default p). kv_cache_bytes of the config is a budget per rank.
         layer_partition: layers per stage, e.g. [14, 16] (default: partition.py's rule).
-        launch: where the stages run (lesson 18's launch.py; default: torchrun's environment if
-        any, else this machine); consecutive stages share a node (placement(tp=1, pp=p, nnodes))."""
+        tensor_parallel_size: ranks per stage, each layer split over them (tp_stage.py): p x tp ranks.
+        launch: where the ranks run (lesson 18's launch.py; default: torchrun's environment if
+        any, else this machine); placement(tp, p, nnodes): a stage's TP group on one node."""
         folder = check_model_dir(Path(model))
-        cfg, p = ModelConfig.from_pretrained(folder), pipeline_parallel_size
+        cfg, p, tp = ModelConfig.from_pretrained(folder), pipeline_parallel_size, tensor_parallel_size
+        local = local_config(cfg, tp)                                       # refuses a model tp cannot split
         bounds = partition_layers(cfg.num_layers, p, layer_partition)      # errors before any process
         self.stages = [Stage(i, p, a, b) for i, (a, b) in enumerate(bounds)]
         config = scheduler or PagedSchedulerConfig()
@@ -75,55 +79,63 @@ class PPEngine(LLMEngine):
         self.config = fit_block_size(config, self.attention)
         widest = max(self.stages, key=lambda s: s.num_layers)          # every pool gets the same blocks
         self.num_blocks = self.config.kv_cache_bytes // self.attention.pool_class.bytes_per_block(
-            stage_config(cfg, widest), self.config.block_size, dtype)
+            stage_config(local, widest), self.config.block_size, dtype)
         m = p if num_micro_batches is None else num_micro_batches
         virtual_engines(self.config, self.num_blocks, m)           # a bad m or a tiny pool: refused now
-        if p > 1 and dist.is_initialized():
+        world = p * tp
+        if world > 1 and dist.is_initialized():
             raise RuntimeError("this process already runs a process group (a TP or PP engine): close() it first")
         self.launch = launch = launch or NodeLaunch.from_env() or NodeLaunch()
-        if p > 1 and launch.node_rank != 0:
+        if world > 1 and launch.node_rank != 0:
             raise ValueError(f"the engine runs on node 0; node {launch.node_rank} runs its stages headless: "
                              f"python -m advanced.adv06_pipeline_parallel.node --node-rank {launch.node_rank} ...")
-        self.pp, self.timeout_s, self.closed = p, timeout_s, False
-        self.workers, self.conns, self.rank_memory, self.offsets = [], [], [], [0] * p
+        self.pp, self.tp, self.world, self.timeout_s, self.closed = p, tp, world, timeout_s, False
+        self.workers, self.conns, self.rank_memory, self.offsets = [], [], [], [0] * world
         self.timeline = Timeline(0, stage_label(self.stages[0]) + " + scheduler, LM head, sampler")
         self.bytes_sent = {"hidden": 0, "returned": 0, "metadata": 0}
         self.messages_sent = 0
         self._threads_before = torch.get_num_threads()
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // (len(launch.local_ranks(p)) if p > 1 else 1))
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // (len(launch.local_ranks(world)) if world > 1 else 1))
         torch.set_num_threads(threads)
         layers = ",".join(str(s.num_layers) for s in self.stages)
 
-        def spec(stage: Stage, port: int = 0) -> StageSpec:
-            return StageSpec(str(folder), stage, port, dtype, threads, timeout_s, fast_path, layers,
-                             launch.master_addr, launch.nnodes, launch.rendezvous_timeout_s)
+        def spec(rank: int, port: int = 0) -> StageSpec:
+            return StageSpec(str(folder), self.stages[rank // tp], port, dtype, threads, timeout_s, fast_path, layers,
+                             launch.master_addr, launch.nnodes, launch.rendezvous_timeout_s, tp, rank % tp)
         try:
-            if p > 1:
-                self.group = ws = WorkerSet(launch, p, "pp", "pipeline")
+            if world > 1:
+                self.group = ws = WorkerSet(launch, world, "pp", "pipeline")
                 self.workers, self.conns = ws.procs, ws.conns
                 for rank in ws.local_ranks():
-                    ws.spawn(rank, stage_worker_main, spec(self.stages[rank], ws.port))
+                    ws.spawn(rank, stage_worker_main, spec(rank, ws.port))
                 # Runs at garbage collection or at interpreter exit, unless close() ran first.
                 self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, None,
                                                    self._threads_before)
-                ws.accept(run_flags(str(folder), dtype, p, launch.nnodes, layers))
+                ws.accept(run_flags(str(folder), dtype, p, launch.nnodes, layers, tp))
                 if launch.multi_node or launch.torchrun:
-                    print(f"[minivllm] all {p} stages joined:\n{placement_table(placement(1, p, launch.nnodes))}",
+                    print(f"[minivllm] all {world} ranks joined:\n{placement_table(placement(tp, p, launch.nnodes))}",
                           flush=True)
-                parallel.init_group(ws.store, 0, p, startup_timeout(timeout_s))
-            model0, weights = prepare_stage(spec(self.stages[0]))
-            self.pool = self.attention.pool_class(stage_config(cfg, self.stages[0]), self.num_blocks,
+                parallel.init_group(ws.store, 0, world, startup_timeout(timeout_s))
+                if tp > 1:
+                    join_tp_groups(p, tp, 0, startup_timeout(timeout_s))
+            model0, weights = prepare_stage(spec(0))
+            self.pool = self.attention.pool_class(stage_config(model0.config, self.stages[0]), self.num_blocks,
                                                   self.config.block_size, dtype)
             self.rank_memory.append({"weight_bytes": weights, "kv_bytes": self.pool.nbytes})
             for conn in self.conns:
                 conn.send((self.num_blocks, self.config.block_size, self.attention.name))
-            if p > 1:
+            if world > 1:
                 self.rank_memory += ws.wait_ready()
                 self.offsets[1:] = [measure_offset(conn) for conn in self.conns]
         except BaseException as e:
             raise self._fail(e) from e
         super().__init__(model0, None, sampler=KernelSampler())
         self.set_micro_batches(m)
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The last stage's first TP rank: it sends the normed rows back to rank 0."""
+        return (self.pp - 1) * self.tp
 
     def make_scheduler(self, config):
         return None           # no engine-wide scheduler: each virtual engine has its own (self.virtual)
@@ -151,7 +163,7 @@ class PPEngine(LLMEngine):
         if self.closed:
             raise RuntimeError("this PPEngine is closed (after close() or a worker failure): make a new one")
         try:
-            if self.pp > 1:
+            if self.world > 1:
                 self.group.check_alive()
             v = self.virtual[self._next % len(self.virtual)]
             self._next += 1
@@ -187,13 +199,13 @@ class PPEngine(LLMEngine):
             nbytes = hidden.numel() * hidden.element_size()
             with tl.span("send hidden", "send", step=k, bytes=nbytes):
                 hidden = hidden.contiguous()
-                flight.sends.append((p2p.isend(hidden, 1), hidden))
+                flight.sends.append((p2p.isend(hidden, self.tp), hidden))      # stage 1's first rank
                 if rows:          # the last stage's normed rows: rank 0 runs the LM head on them
                     flight.rows = torch.empty(len(rows), hidden.shape[1], dtype=hidden.dtype)
-                    flight.recv = p2p.irecv(flight.rows, self.pp - 1)
-            self.bytes_sent["hidden"] += nbytes * (self.pp - 1)
+                    flight.recv = p2p.irecv(flight.rows, self.last_stage_rank)
+            self.bytes_sent["hidden"] += nbytes * (self.pp - 1) * self.tp       # every TP rank sends its copy
             self.bytes_sent["returned"] += 0 if flight.rows is None else flight.rows.numel() * hidden.element_size()
-            self.messages_sent += (self.pp - 1) + (flight.rows is not None)
+            self.messages_sent += (self.pp - 1) * self.tp + (flight.rows is not None)
         v.in_flight = flight
 
     def _complete(self, v: VirtualEngine) -> list[Sequence]:
@@ -203,7 +215,7 @@ class PPEngine(LLMEngine):
             for work, _ in f.sends:
                 p2p.wait(work, f"send of step {f.step} to rank 1", self.timeout_s)
             if f.recv is not None:
-                p2p.wait(f.recv, f"hidden rows of step {f.step} from rank {self.pp - 1}", self.timeout_s)
+                p2p.wait(f.recv, f"hidden rows of step {f.step} from rank {self.last_stage_rank}", self.timeout_s)
         if f.rows is not None:
             with tl.span("lm head", "compute", step=f.step, rows=len(f.rows)):
                 f.logits = self.model.compute_logits(f.rows)
@@ -233,7 +245,7 @@ class PPEngine(LLMEngine):
     # ---- faults and shutdown: lesson 18's WorkerSet, naming the stage ----------------------
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' own account if they have one."""
-        report = self.group.report() if self.pp > 1 and hasattr(self, "group") else ""
+        report = self.group.report() if self.world > 1 and hasattr(self, "group") else ""
         self.close(wait_s=0.1)
         blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
             or "Traceback" in report or "connection lost" in report

@@ -78,19 +78,24 @@ class DtypeProbe(nn.Module):
         raise RuntimeError("only the first pipeline stage embeds tokens")
 
 
+def keep_stage_only(model: CausalLM, cfg: ModelConfig, stage: Stage) -> None:
+    """Swap out (on the meta device, before anything is allocated) what other stages hold."""
+    model.stage = stage
+    for i in range(cfg.num_layers):
+        if stage.start <= i < stage.end:
+            model.model.layers[i].self_attn.layer_idx = i - stage.start
+        else:
+            model.model.layers[i] = MissingLayer()
+    if not stage.is_first:                # the embedding and the LM head stay on rank 0
+        model.model.embed_tokens, model.lm_head = DtypeProbe(cfg), None
+    if not stage.is_last:
+        model.model.norm = None
+
+
 class StageModel(CausalLM):
     def __init__(self, cfg: ModelConfig, stage: Stage):
         super().__init__(cfg)                # on the meta device: nothing is allocated yet
-        self.stage = stage
-        for i in range(cfg.num_layers):
-            if stage.start <= i < stage.end:
-                self.model.layers[i].self_attn.layer_idx = i - stage.start
-            else:
-                self.model.layers[i] = MissingLayer()
-        if not stage.is_first:                # the embedding and the LM head stay on rank 0
-            self.model.embed_tokens, self.lm_head = DtypeProbe(cfg), None
-        if not stage.is_last:
-            self.model.norm = None
+        keep_stage_only(self, cfg, stage)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: StepAttention,
                 hidden: Tensor | None = None) -> Tensor:

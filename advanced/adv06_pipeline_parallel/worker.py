@@ -31,9 +31,11 @@ from step15_flash_attention.backends import choose_backend
 from step17_cpu_kernels.engine import cpu_fast_path
 from step18_tensor_parallel import control
 from step18_tensor_parallel.metadata import MetadataAttention
+from step14_batched_forward.packed_linear import pack_linears
 from step18_tensor_parallel.worker import join_rank0, model_bytes, worker_exit
 from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv06_pipeline_parallel.stage import Stage, load_stage, stage_config
+from advanced.adv06_pipeline_parallel.tp_stage import join_tp_groups, load_tp_stage
 
 # Fault injection, lesson 18's style: "raise@N" makes the last stage raise at its N-th
 # micro-batch, "hang@N" makes it stop answering, "exit@N" makes it vanish without a word.
@@ -61,30 +63,47 @@ class StageSpec:
     master_addr: str = "127.0.0.1"   # where the store and rank 0 are
     nnodes: int = 1
     rendezvous_timeout_s: float = 60.0
+    tp: int = 1                      # ranks per stage (tp_stage.py): TP x PP
+    tp_rank: int = 0
 
     @property
     def rank(self) -> int:
-        return self.stage.index
+        return self.stage.index * self.tp + self.tp_rank
+
+    @property
+    def world(self) -> int:
+        return self.stage.num_stages * self.tp
+
+    def peer(self, stage: int) -> int:
+        """The rank with this one's TP rank in pipeline stage `stage`: where hidden states go."""
+        return stage * self.tp + self.tp_rank
 
     def flags(self) -> control.RunFlags:
-        return run_flags(self.folder, self.dtype, self.stage.num_stages, self.nnodes, self.layers)
+        return run_flags(self.folder, self.dtype, self.stage.num_stages, self.nnodes, self.layers, self.tp)
 
     def who(self) -> str:
         return f"pipeline rank {self.rank} on {socket.gethostname()} pid {os.getpid()}"
 
 
-def run_flags(folder: str, dtype: torch.dtype, pp: int, nnodes: int, layers: str) -> control.RunFlags:
-    """Lesson 18's flags plus the layer split, so that two nodes that cut the model differently
-    are refused at the rendezvous, naming it, not at the first hidden state."""
-    return control.RunFlags(control.model_fingerprint(folder), str(dtype), pp, nnodes, extra=f"pp_layers={layers}")
+def run_flags(folder: str, dtype: torch.dtype, pp: int, nnodes: int, layers: str, tp: int = 1) -> control.RunFlags:
+    """Lesson 18's flags plus the layer split and the TP size, so that two nodes that cut the
+    model differently are refused at the rendezvous, naming it, not at the first hidden state."""
+    extra = f"pp_layers={layers}" + (f" tp={tp}" if tp > 1 else "")
+    return control.RunFlags(control.model_fingerprint(folder), str(dtype), pp * tp, nnodes, extra=extra)
 
 
-def stage_label(stage: Stage) -> str:
-    return f"stage {stage.index} (layers {stage.start}-{stage.end - 1})"
+def stage_label(stage: Stage, tp_rank: int | None = None) -> str:
+    label = f"stage {stage.index} (layers {stage.start}-{stage.end - 1})"
+    return label if tp_rank is None else f"{label} TP rank {tp_rank}"
 
 
 def prepare_stage(spec: StageSpec):
-    """The stage's model as the single-process engine runs it (lesson 17's CPU fast path)."""
+    """The stage's model as the single-process engine runs it (lesson 17's CPU fast path; with
+    TP, lesson 18's: its split linears packed for oneDNN)."""
+    if spec.tp > 1:
+        model = load_tp_stage(spec.folder, spec.stage, spec.tp_rank, spec.tp, spec.dtype)
+        weights = model_bytes(model)
+        return (pack_linears(model) if spec.fast_path else model), weights
     model = load_stage(spec.folder, spec.stage, spec.dtype)
     weights = model_bytes(model)
     return (cpu_fast_path(model) if spec.fast_path else model), weights
@@ -92,7 +111,7 @@ def prepare_stage(spec: StageSpec):
 
 def _fault(spec: StageSpec) -> tuple[str, int] | None:
     value = os.environ.get(FAULT_ENV, "")
-    if "@" not in value or not spec.stage.is_last:
+    if "@" not in value or not spec.stage.is_last or spec.tp_rank != spec.tp - 1:
         return None
     kind, step = value.split("@", 1)
     return kind, int(step)
@@ -100,17 +119,19 @@ def _fault(spec: StageSpec) -> tuple[str, int] | None:
 
 def stage_worker_main(spec: StageSpec) -> None:
     """Entry point of a stage process (spawned by rank 0 or by a headless node)."""
-    with worker_exit(f"rank {spec.rank} ({stage_label(spec.stage)})") as state:
+    with worker_exit(f"rank {spec.rank} ({stage_label(spec.stage, spec.tp_rank if spec.tp > 1 else None)})") as state:
         torch.set_num_threads(spec.threads)
         torch.set_grad_enabled(False)
-        stage = spec.stage
-        _, conn = join_rank0(spec.rank, stage.num_stages, spec.port, spec.master_addr, spec.flags(), spec.who(),
+        _, conn = join_rank0(spec.rank, spec.world, spec.port, spec.master_addr, spec.flags(), spec.who(),
                              spec.rendezvous_timeout_s, startup_timeout(spec.timeout_s))
         state.conn = conn
+        if spec.tp > 1:
+            join_tp_groups(spec.stage.num_stages, spec.tp, spec.rank, startup_timeout(spec.timeout_s))
         model, weights = prepare_stage(spec)
         num_blocks, block_size, backend_name = conn.recv()
         backend = choose_backend(backend_name)
-        pool = backend.pool_class(stage_config(model.config, stage), num_blocks, block_size, spec.dtype)
+        # model.config is this rank's own: its stage's layers are renumbered, its KV heads its TP share
+        pool = backend.pool_class(stage_config(model.config, spec.stage), num_blocks, block_size, spec.dtype)
         conn.send(("ready", {"weight_bytes": weights, "kv_bytes": pool.nbytes}))
         answer_offset(conn)
         run_stage(spec, conn, model, pool, backend)
@@ -118,7 +139,7 @@ def stage_worker_main(spec: StageSpec) -> None:
 
 def run_stage(spec: StageSpec, conn: Connection, model, pool, backend) -> None:
     stage, hidden_size = spec.stage, model.config.hidden_size
-    tl = Timeline(spec.rank, stage_label(stage))
+    tl = Timeline(spec.rank, stage_label(stage, spec.tp_rank if spec.tp > 1 else None))
     sends: deque = deque()            # (work, tensor): a tensor must outlive its send
     fault, count = _fault(spec), 0
     while True:
@@ -140,18 +161,19 @@ def run_stage(spec: StageSpec, conn: Connection, model, pool, backend) -> None:
                 os._exit(3)
             raise RuntimeError(f"injected fault ({FAULT_ENV}={fault[0]}@{fault[1]})")
         T, rows = len(meta.input_ids), meta.logit_rows
-        buf = torch.empty(T, hidden_size, dtype=spec.dtype)
-        with tl.span("recv hidden", "recv", step=head.step, bytes=buf.numel() * buf.element_size()):
-            p2p.wait(p2p.irecv(buf, stage.index - 1), f"receive of step {head.step} from rank {stage.index - 1}",
-                     spec.timeout_s)
+        buf = None                                      # stage 0 (TP ranks > 0): embeds the tokens itself
+        if not stage.is_first:
+            buf, src = torch.empty(T, hidden_size, dtype=spec.dtype), spec.peer(stage.index - 1)
+            with tl.span("recv hidden", "recv", step=head.step, bytes=buf.numel() * buf.element_size()):
+                p2p.wait(p2p.irecv(buf, src), f"receive of step {head.step} from rank {src}", spec.timeout_s)
         with tl.span(f"mb{head.micro_batch}", "compute", step=head.step, micro_batch=head.micro_batch,
                      prefill_tokens=T - head.decode_tokens, decode_tokens=head.decode_tokens):
             out = model(meta.input_ids, meta.positions, MetadataAttention(pool, meta, backend), buf)
             if stage.is_last:                           # rank 0 runs the LM head on these rows
-                out = out[rows] if len(rows) else None
+                out = out[rows] if len(rows) and spec.tp_rank == 0 else None
         if out is None:
-            continue                                    # only prompt chunks: nothing to sample
-        dst = 0 if stage.is_last else stage.index + 1
+            continue                                    # nothing to sample, or another TP rank sends it
+        dst = 0 if stage.is_last else spec.peer(stage.index + 1)
         with tl.span("send rows" if stage.is_last else "send hidden", "send", step=head.step,
                      bytes=out.numel() * out.element_size()):
             while sends and (sends[0][0].is_completed() or len(sends) >= MAX_PENDING_SENDS):
