@@ -10,6 +10,9 @@
          run stage 0, isend hidden ============> recv, run, isend ===> ... recv, run, isend --^
          return at once: rank 0 goes on to step k+1 while stages 1.. work on micro-batch k
 
+With tensor_parallel_size = T each stage is T ranks splitting its layers (tp_stage.py): rank 0
+is stage 0's first; every rank of a stage runs each micro-batch together (their all-reduces).
+
 With m = 1 every step waits for the whole pipeline before the next is scheduled: stage s
 idles while the others compute. With m >= p, p micro-batches are in flight and every stage
 has work. The micro-batches are vLLM V0's virtual engines (virtual.py).

@@ -19,6 +19,7 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_cpu_kernels.engine import build_engine
 from step18_tensor_parallel.launch import add_launch_flags, launch_from_args
+from step18_tensor_parallel.model import local_config
 from advanced.adv06_pipeline_parallel.costmodel import (bubble_fractions, compute_slowdown, fit_hop, fit_lm_head,
                                                         fit_stage_costs, hop_samples, layer_spans, micro_batches,
                                                         predict_seconds, rank0_overhead)
@@ -72,7 +73,9 @@ def zoom(timelines: list[Timeline], count: int) -> tuple[list[Timeline], range]:
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages (processes)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    p.add_argument("--tp", type=int, default=1, help="ranks per stage, each layer split over them (TP x PP: "
+                   "pp x tp processes)")
     p.add_argument("--micro-batches", default="1,2,4", help="micro-batches in flight to compare; the first "
                    "one's timeline fits the cost model, the others check it")
     p.add_argument("--partition", default=None, help="layers per stage, e.g. 13,17 (default: the even rule "
@@ -93,16 +96,22 @@ def main() -> None:
     print(f"workload: {len(prompts)} chat requests, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
           f"tokens, {args.max_tokens} greedy tokens each; prompts chunked by {config.max_num_batched_tokens} tokens")
     single = build_engine(model, config, use_graph=False)
-    threads = max(1, cores // args.pp)
-    with PPEngine(folder, config, pipeline_parallel_size=args.pp, dtype=dtype, threads_per_rank=threads,
-                  layer_partition=args.partition, launch=launch_from_args(args)) as pp:
-        print(f"pipeline: {args.pp} processes, {threads} torch thread(s) each; layers per stage "
+    threads = max(1, cores // (args.pp * args.tp))
+    try:
+        local_config(model.config, args.tp)
+    except ValueError as e:          # SmolLM2 has 9 heads: --tp 3 splits it, --tp 2 does not
+        p.error(str(e))
+    with PPEngine(folder, config, pipeline_parallel_size=args.pp, tensor_parallel_size=args.tp, dtype=dtype,
+                  threads_per_rank=threads, layer_partition=args.partition, launch=launch_from_args(args)) as pp:
+        print(f"pipeline: {args.pp} stages x {args.tp} TP rank(s) = {pp.world} processes, {threads} torch thread(s) "
+              f"each; layers per stage "
               f"{[s.num_layers for s in pp.stages]}; weights per rank "
               f"{[round(m['weight_bytes'] / 2**20) for m in pp.rank_memory]} MiB "
               f"(one process: {round(sum(t.numel() * t.element_size() for t in model.parameters()) / 2**20)} MiB)\n")
         variants = {f"one process, {cores} threads": one_process(single, cores, prompts, sp),
                     f"one process, {threads} thread": one_process(single, threads, prompts, sp)}
-        variants.update({f"PP={args.pp}, {m} micro-batch{'es' if m > 1 else ''}": pipelined(pp, m, prompts, sp)
+        name = f"PP={args.pp}" + (f" x TP={args.tp}" if args.tp > 1 else "")
+        variants.update({f"{name}, {m} micro-batch{'es' if m > 1 else ''}": pipelined(pp, m, prompts, sp)
                          for m in ms})
         runs = compare(variants, repeats=args.repeats)
     report(runs, args, ms, dtype, model.config.hidden_size * model.model.embed_tokens.weight.element_size())
@@ -119,7 +128,9 @@ def report(runs, args, ms, dtype, token_bytes: int) -> None:
     same = sum(a == b for t in pp_runs for a, b in zip(t.result["outputs"], base.result["outputs"]))
     print(identity_line("outputs, every pipeline run vs one process", same, args.requests * len(pp_runs), dtype))
 
-    print("\nbubble per stage (1 - compute / window, the last timed run) vs GPipe's (p-1)/(m+p-1):")
+    name = f"PP={args.pp}" + (f" x TP={args.tp}" if args.tp > 1 else "")
+    print(f"\nbubble per {'rank' if args.tp > 1 else 'stage'} (1 - compute / window, the last timed run) "
+          f"vs GPipe's (p-1)/(m+p-1):")
     args.out.mkdir(parents=True, exist_ok=True)
     for m, t in zip(ms, pp_runs):
         tls = t.result["timelines"]
@@ -127,16 +138,19 @@ def report(runs, args, ms, dtype, token_bytes: int) -> None:
         problems = validate_trace(chrome_trace(tls))
         trace = write_chrome_trace(tls, args.out / f"trace_m{m}.json")
         png = draw_png(tls, args.out / f"timeline_m{m}.png",
-                       title=f"PP={args.pp}, {m} micro-batch(es) in flight: one row per rank")
+                       title=f"{name}, {m} micro-batch(es) in flight: one row per rank")
         few, steps = zoom(tls, 3 * max(m, args.pp))
         draw_png(few, args.out / f"timeline_m{m}_zoom.png",
-                 title=f"PP={args.pp}, {m} micro-batch(es) in flight: steps {steps.start}-{steps.stop - 1}")
+                 title=f"{name}, {m} micro-batch(es) in flight: steps {steps.start}-{steps.stop - 1}")
         b = t.result["bytes"]
         print(f"  m={m}: stages {' '.join(f'{x:.0%}' for x in bubbles)} idle   formula {bubble_formula(args.pp, m):.0%}"
               f"   {t.result['launched']} micro-batches; per micro-batch {b['hidden'] / 1024:.1f} KiB hidden, "
               f"{b['returned'] / 1024:.1f} KiB normed rows back to rank 0, {b['metadata'] / 1024:.1f} KiB metadata"
               f"\n        trace {'valid' if not problems else problems[:2]}: {trace}, {png} (and _zoom.png)")
 
+    if args.tp > 1:        # the model below has one rank per stage; with TP a stage is several rows
+        print("\ncost model: fitted for --tp 1 only (with TP a stage's ranks also wait on each other's all-reduces)")
+        return
     fit_tls = pp_runs[0].result["timelines"]
     costs, hop, head = fit_stage_costs(fit_tls), fit_hop(hop_samples(fit_tls)), fit_lm_head(fit_tls[0])
     overhead = rank0_overhead(fit_tls[0])
