@@ -9,6 +9,10 @@ rank 0 hands the process group and the control socket is what would cross the li
                        the logits gather (rank 1's half of the vocabulary); the step's metadata
     PP=2 (this lesson) one hop of [T, hidden] from stage 0 to 1; the sampled rows' hidden states
                        back; the step's metadata
+    TP=2 x PP=2        four ranks, a stage's TP pair on each machine (placement's rule): what
+                       crosses is the hidden state from each of stage 0's ranks to its peer, the
+                       rows back, and the metadata to the two ranks over there; the all-reduces
+                       stay inside each machine and are not counted
 
 For 2 ranks an all-reduce of S bytes sends S bytes each way (ring: S/2 reduce-scatter + S/2
 all-gather), so rank 0's payload is the traffic in each direction. Then a link model, not a
@@ -37,17 +41,23 @@ def _config() -> PagedSchedulerConfig:
 
 
 class Counter:
-    """bytes and messages crossing between the two ranks, read from each engine's own counters."""
+    """bytes and messages crossing between the two machines, read from each engine's own counters."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.launches = 0
 
     def read(self) -> tuple[int, int]:
         e = self.engine
         if isinstance(e, TPEngine):
             return parallel.COMM.bytes + e.runner.metadata_bytes, parallel.COMM.calls + e.runner.metadata_messages
         sent = e.bytes_sent
-        return sum(sent.values()), e.messages_sent
+        if e.tp == 1:
+            return sum(sent.values()), e.messages_sent
+        # TP x PP: of rank 0's control messages only those to the other machine's ranks cross
+        workers, remote = e.world - 1, e.world - e.tp
+        local_messages = (e.num_steps - self.launches) * (workers - remote)
+        return sent["hidden"] + sent["returned"] + sent["metadata"] * remote // workers, e.messages_sent - local_messages
 
     def reset(self) -> None:
         e = self.engine
@@ -56,7 +66,7 @@ class Counter:
             e.runner.metadata_bytes = e.runner.metadata_messages = 0
         else:
             e.bytes_sent = dict.fromkeys(e.bytes_sent, 0)
-            e.messages_sent = 0
+            e.messages_sent, self.launches = 0, e.num_steps
 
 
 def measure(engine, prompt_len: int, batch: int, steps: int) -> dict:
@@ -101,27 +111,31 @@ def main() -> None:
     for name, make in (("TP=2", lambda: TPEngine(folder, _config(), tensor_parallel_size=2, dtype=torch.bfloat16,
                                                    all_reduce="gloo", threads_per_rank=1)),
                        ("PP=2", lambda: PPEngine(folder, _config(), pipeline_parallel_size=2, num_micro_batches=1,
-                                                 dtype=torch.bfloat16, threads_per_rank=1))):
+                                                 dtype=torch.bfloat16, threads_per_rank=1)),
+                       ("TPxPP", lambda: PPEngine(folder, _config(), pipeline_parallel_size=2, num_micro_batches=1,
+                                                  tensor_parallel_size=2, dtype=torch.bfloat16, threads_per_rank=1))):
         with make() as engine:
             for b in args.batches:
                 rows[(name, b)] = measure(engine, args.prompt_len, b, args.steps)
     print(f"\nbytes crossing between the two machines (each direction, measured; Qwen3-0.6B shape, bf16, "
           f"a {args.prompt_len}-token prompt, decode over {args.steps} steps):")
-    print(f"  {'':24} {'TP=2 across':>16} {'PP=2 across':>16}")
-    tp, pp = rows[("TP=2", args.batches[0])], rows[("PP=2", args.batches[0])]
-    print(f"  {'per prompt token':24} {tp['prompt_token'][0] / 1024:>13.1f} KiB {pp['prompt_token'][0] / 1024:>13.1f} KiB")
+    names = ("TP=2", "PP=2", "TPxPP")
+    print(f"  {'':24} {'TP=2 across':>16} {'PP=2 across':>16} {'TP=2 x PP=2':>16}")
+    print(f"  {'per prompt token':24} " + " ".join(
+        f"{rows[(n, args.batches[0])]['prompt_token'][0] / 1024:>12.1f} KiB" for n in names))
     for b in args.batches:
-        tp, pp = rows[("TP=2", b)], rows[("PP=2", b)]
-        print(f"  {f'per decode step, batch {b}':24} {tp['decode_step'][0] / 1024:>13.1f} KiB "
-              f"{pp['decode_step'][0] / 1024:>13.1f} KiB")
-        print(f"  {'  messages per step':24} {tp['decode_step'][1]:>16.0f} {pp['decode_step'][1]:>16.0f}")
+        print(f"  {f'per decode step, batch {b}':24} " + " ".join(
+            f"{rows[(n, b)]['decode_step'][0] / 1024:>12.1f} KiB" for n in names))
+        print(f"  {'  messages per step':24} " + " ".join(f"{rows[(n, b)]['decode_step'][1]:>16.0f}" for n in names))
+    print("  (TP=2 x PP=2: 4 ranks, each stage's TP pair inside one machine; its all-reduces are not on the link)")
     print(f"\nlink model (computed from the bytes above, not measured): ms per decode step = bytes x 8 / bandwidth "
           f"+ messages x {LATENCY_US:.0f} us")
     print(f"  {'':24} " + " ".join(f"{f'{g} Gbit/s':>18}" for g in LINKS_GBIT))
     for b in args.batches:
-        for name in ("TP=2", "PP=2"):
+        for name in names:
             nbytes, msgs = rows[(name, b)]["decode_step"]
-            print(f"  {f'{name}, batch {b}':24} " + " ".join(f"{link_ms(nbytes, msgs, g):>15.2f} ms" for g in LINKS_GBIT))
+            label = "TP=2 x PP=2" if name == "TPxPP" else name
+            print(f"  {f'{label}, batch {b}':24} " + " ".join(f"{link_ms(nbytes, msgs, g):>15.2f} ms" for g in LINKS_GBIT))
 
 
 if __name__ == "__main__":
