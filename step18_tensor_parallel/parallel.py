@@ -13,6 +13,7 @@ rest (the rendezvous, the logits gather, all-reduces too big for the shared buff
 from __future__ import annotations
 
 import datetime
+import importlib
 import time
 from dataclasses import dataclass
 
@@ -53,10 +54,24 @@ def make_store(rank: int, world: int, port: int, timeout_s: float, host: str = "
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+def _import_before_any_group() -> None:
+    """torch.distributed._shard, which torch imports on the first computation on the meta device
+    (our loaders build models there), keeps references to the process group that exists when it
+    is imported. That group is then never freed: destroy_process_group leaves gloo's threads
+    running, and at interpreter exit one of them may drop a finished collective's tensors
+    without the GIL and abort the process (seen under torchrun: exit code -6 after a clean run,
+    about once in 40). Imported while no group exists, it holds none."""
+    try:
+        importlib.import_module("torch.distributed._shard")
+    except ImportError:
+        pass
+
+
 def init_group(store: dist.Store, rank: int, world: int, timeout_s: float, device_type: str = "cpu") -> None:
     """Join the default process group. `timeout_s` bounds every collective: a rank that stops
     answering turns into an error on the others after that long, never into a hang. The group's
     keys get their own prefix, so a store shared with others (torchrun's) is not disturbed."""
+    _import_before_any_group()
     dist.init_process_group(backend_for(device_type), store=dist.PrefixStore("minivllm/pg", store), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -275,6 +277,27 @@ def test_worker_that_hangs_hits_the_timeout(tiny_qwen3_dir, monkeypatch, no_left
     error = _generate_until_failure(engine)
     assert time.perf_counter() - t0 < 15
     assert "not answering" in str(error)
+
+
+GROUP_FREED_SCRIPT = """
+from pathlib import Path
+import torch
+from step18_tensor_parallel import parallel
+def gloo_threads():   # Linux names gloo's threads; they end only when the group is freed
+    return [n for n in (Path(t, "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()) if "gloo" in n]
+parallel.init_group(parallel.make_store(0, 1, 0, 10), 0, 1, 10)
+torch.empty(3, device="meta") * 2          # what building a model on the meta device first does
+assert gloo_threads()
+parallel.close_group()
+print("left", gloo_threads())
+"""
+
+
+def test_closing_the_group_frees_it_even_after_meta_device_work():
+    """A fresh process (the trap is a lazy import inside torch, which happens once per process):
+    after close_group no gloo thread is left, so none can abort the interpreter's exit."""
+    out = subprocess.run([sys.executable, "-c", GROUP_FREED_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "left []" in out.stdout, out.stdout + out.stderr
 
 
 def test_close_and_del_leave_nothing(tiny_qwen3_dir, no_leftovers):
