@@ -1,7 +1,8 @@
 """Lesson 17's engine, whose long prompts are prefilled by `context_parallel_size` processes.
 
     user process = rank 0                                ranks 1 .. cp-1 (spawned by rank 0,
-    engine: scheduler, block manager, paged KV pool      or by node.py on another machine)
+    engine: scheduler, block manager, paged KV pool      by node.py on another machine, or
+                                                         started by torchrun: node.py)
                                                          a full copy of the model each
     add_request(long prompt):
       allocate the prompt's blocks
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from advanced.adv07_context_parallel.memory import PeakMeter, exact_rss
+from advanced.adv07_context_parallel.node import check_launch
 from advanced.adv07_context_parallel.ring import Ring, time_hops
 from advanced.adv07_context_parallel.worker import CPWorkerSpec, prefill_share, run_flags, start_timeout, worker_main
 from advanced.adv07_context_parallel.zigzag import make_layout
@@ -71,7 +73,9 @@ class CPEngine(Engine):
         allocations go back to the kernel when freed (memory.py), so each prefill's peak memory
         is its own, for benchmarks (it changes the C allocator of this process too). Every rank
         applies lesson 17's model transforms, so all run the same numerics. launch: where the
-        ranks run (lesson 18's launch.py; default: this machine)."""
+        ranks run (lesson 18's launch.py; default: torchrun's environment if any, else this
+        machine). Under torchrun this engine is rank 0 and spawns nobody: every other rank has
+        called node.run_torchrun_rank() and dials in; torchrun's world must be cp."""
         folder = check_model_dir(Path(model))
         cp = context_parallel_size
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
@@ -79,9 +83,8 @@ class CPEngine(Engine):
         if cp > 1 and dist.is_initialized():
             raise RuntimeError("this process already runs a process group (another CP or TP engine): close() it first")
         launch = launch or NodeLaunch.from_env() or NodeLaunch()
-        if cp > 1 and (launch.torchrun or launch.node_rank != 0):
-            raise ValueError("CPEngine runs on node 0 without torchrun: it starts its workers itself "
-                             "(the other nodes with `python -m advanced.adv07_context_parallel.node`)")
+        if cp > 1:                  # cp == 1 is one process: no rank, no group, torchrun or not
+            check_launch(cp, launch)
         self.cp, self.zigzag, self.min_cp_tokens, self.timeout_s = cp, zigzag, max(min_cp_tokens, 2 * cp), timeout_s
         self.closed, self.workers, self.conns, self.jobs = False, [], [], 0
         self.last_prefill: dict | None = None          # what the last CP prefill measured

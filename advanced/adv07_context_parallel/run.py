@@ -8,6 +8,7 @@ from pathlib import Path
 
 from advanced.adv07_context_parallel import costmodel
 from advanced.adv07_context_parallel.engine import CPEngine
+from advanced.adv07_context_parallel.node import run_torchrun_rank
 from advanced.adv07_context_parallel.zigzag import imbalance, make_layout, work_per_rank
 from minivllm_support.cli import base_parser, identity_line, machine, setup
 from minivllm_support.models import load_tokenizer, resolve_model
@@ -94,6 +95,10 @@ def main() -> None:
     dtype = setup(args)
     folder = resolve_model(args.model)
     cores = args.threads or os.cpu_count() or 1
+    # Under torchrun, every rank but 0 becomes its CP worker here and exits when rank 0 is done;
+    # it waits --rendezvous-timeout-s for rank 0's CP engine, built after the one-process baseline.
+    run_torchrun_rank(str(folder), args.cp, dtype, threads=max(1, cores // args.cp), exact_memory=True,
+                      rendezvous_timeout_s=args.rendezvous_timeout_s)
     print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
     cfg = ModelConfig.from_pretrained(folder)
     tok = load_tokenizer(folder)
