@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from advanced.adv08_data_parallel.frontend import DPFrontEnd
-from advanced.adv08_data_parallel.replica import FAULT_ENV, parse_fault
+from advanced.adv08_data_parallel.faults import FAULT_ENV, parse_fault
 from advanced.adv08_data_parallel.router import CacheAware, ReplicaLoad, create_router
 from advanced.adv08_data_parallel.server import DPAsyncLLM
 from advanced.adv08_data_parallel.workload import chat_workload, run_chat, send_turn
@@ -259,6 +259,8 @@ def test_abort_frees_the_request_and_garbage_collection_leaves_no_process(tiny_q
     assert rec.success and rec.output_len == 3
     (tl,) = front.timelines()                               # the replica's engine steps, on our clock
     assert tl.spans and {s.cat for s in tl.spans} == {"compute"} and not validate_trace(chrome_trace([tl]))
+    # Its clock offset, measured when it started (answer_offset over its connection): one machine, ~0.
+    assert tl.offset_ns == front._pool.replicas[0].offset_ns and abs(tl.offset_ns) < 50_000_000
     assert front.timelines()[0].spans == []                 # taken: the next call starts afresh
     pids = front.pids()
     del front

@@ -14,6 +14,7 @@ and hosts the rendezvous; replica i is rank i+1 and dials it, on this machine or
     node 0: front end (rank 0) + replicas 0..k-1        node r: python -m advanced.adv08_data_parallel.node
             spawned here, they dial 127.0.0.1                   replicas r*k..r*k+k-1 dial node 0
     k = N / nnodes replicas per node (vLLM: --data-parallel-size-local)
+    under torchrun: rank 0 is this front end only, rank r > 0 turns into replica r-1 (placement.py)
 
 It has the shape lesson 21's AsyncLLM drives (`stream`, `error`, `shutdown`) and lesson 19's
 load generator drives (`generate`, `threaded`), so both sit on top unchanged.
@@ -37,37 +38,17 @@ from typing import AsyncIterator
 
 import torch
 
+from advanced.adv08_data_parallel.placement import ReplicaSet, replicas_spawned_here
 from advanced.adv08_data_parallel.pool import Pending, ReplicaHandle, ReplicaPool, Reroute
 from advanced.adv08_data_parallel.replica import ReplicaSpec, replica_main
 from advanced.adv08_data_parallel.router import CacheAware, Router, create_router
 from minivllm_support.models import resolve_model
-from minivllm_support.timeline import Timeline
+from minivllm_support.timeline import Timeline, measure_offset
 from step14_batched_forward.engine import EngineStats
-from step18_tensor_parallel.launch import NodeLaunch
-from step18_tensor_parallel.workers import WorkerSet
+from step18_tensor_parallel.launch import NodeLaunch, torchrun_rank
 from step19_benchmark.faults import EngineDead
 from step19_benchmark.frontend import TokenEvent
 from step20_real_model.params import SamplingParams
-
-
-def replicas_per_node(num_replicas: int, launch: NodeLaunch) -> int:
-    if num_replicas % launch.nnodes:
-        raise ValueError(f"--data-parallel-size {num_replicas} does not split evenly over --nnodes {launch.nnodes}")
-    return num_replicas // launch.nnodes
-
-
-def local_replicas(num_replicas: int, launch: NodeLaunch) -> list[int]:
-    """The replica indices this node runs (rank = index + 1; rank 0 is the front end)."""
-    k = replicas_per_node(num_replicas, launch)
-    return list(range(launch.node_rank * k, launch.node_rank * k + k))
-
-
-class ReplicaSet(WorkerSet):
-    """Lesson 18's WorkerSet with the data-parallel placement: nodes named by replicas_per_node,
-    because world = N + 1 (the front end) rarely splits evenly over nodes."""
-
-    def node_of(self, rank: int) -> int:
-        return 0 if rank == 0 else (rank - 1) // replicas_per_node(self.world - 1, self.launch)
 
 
 class DPFrontEnd:
@@ -81,20 +62,25 @@ class DPFrontEnd:
                  enforce_eager: bool = True, hang_timeout_s: float = 30.0, start_timeout_s: float = 120.0,
                  trace: bool = False, launch: NodeLaunch | None = None, **router_options):
         """policy, router_options: router.create_router's; checked before any process starts.
-        launch: lesson 18's NodeLaunch (default: every replica on this machine); with nnodes > 1,
-        this is node 0 and the other nodes run `python -m advanced.adv08_data_parallel.node`.
+        launch: lesson 18's NodeLaunch (default: torchrun's environment if torchrun started this
+        process, else every replica on this machine); with nnodes > 1, this is node 0 and the other
+        nodes run `python -m advanced.adv08_data_parallel.node`. Under torchrun this is rank 0 and
+        every other rank is a replica (node.run_torchrun_replica): world size = num_replicas + 1.
         hang_timeout_s: a replica with requests that sends nothing for this long is stopped.
         trace: each replica records its engine steps; `timelines()` collects them."""
         if hang_timeout_s <= 0 or start_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s and start_timeout_s must be > 0, got {hang_timeout_s}, {start_timeout_s}")
         self.set_policy(policy, num_replicas, **router_options)        # checked before any process starts
         self.model_dir = resolve_model(model)
-        launch = launch or NodeLaunch()
-        here = local_replicas(num_replicas, launch)                    # checks N against --nnodes, too
+        launch = launch or NodeLaunch.from_env() or NodeLaunch()
+        if launch.torchrun and torchrun_rank() not in (None, 0):
+            raise ValueError(f"torchrun rank {torchrun_rank()} is a replica, not the front end: call "
+                             f"advanced.adv08_data_parallel.node.run_torchrun_replica(...) first thing")
+        here = replicas_spawned_here(num_replicas, launch)             # checks N against the launch
         ws = ReplicaSet(launch, num_replicas + 1, name="dp", what="data-parallel replica")
         try:
             spec = ReplicaSpec(0, num_replicas, str(self.model_dir), dtype, threads_per_replica, max_num_seqs,
-                               max_num_batched_tokens, kv_cache_bytes, enforce_eager, trace,
+                               max_num_batched_tokens, kv_cache_bytes, enforce_eager,
                                master_addr="127.0.0.1" if not launch.multi_node else launch.master_addr,
                                port=ws.port, nnodes=launch.nnodes,
                                rendezvous_timeout_s=launch.rendezvous_timeout_s)
@@ -110,7 +96,7 @@ class DPFrontEnd:
         # Runs at garbage collection or at interpreter exit, unless close() ran first.
         self._finalizer = weakref.finalize(self, self._pool.close)
         try:
-            self.facts = [self._wait_ready(r, start_timeout_s) for r in replicas]
+            self.facts = [self._start(r, start_timeout_s, trace) for r in replicas]
         except BaseException:
             self.close(wait_s=0.5)
             raise
@@ -136,6 +122,18 @@ class DPFrontEnd:
         if pool is not None:
             pool.router = self.router
         return self.router
+
+    def _start(self, rep: ReplicaHandle, timeout_s: float, trace: bool) -> dict:
+        """Its ready facts, its clock offset from ours (timeline.measure_offset's NTP-style ping-pong:
+        on another machine the clocks differ), then our trace setting, which so reaches replicas we
+        did not start (node.py's, torchrun's)."""
+        facts = self._wait_ready(rep, timeout_s)
+        try:
+            rep.offset_ns = measure_offset(rep.conn)
+        except (EOFError, OSError):
+            raise RuntimeError(f"replica {rep.index} (node {rep.node}) hung up while its clock was read") from None
+        rep.send(("trace", trace))
+        return facts
 
     def _wait_ready(self, rep: ReplicaHandle, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -213,7 +211,8 @@ class DPFrontEnd:
 
     def timelines(self, timeout_s: float = 5.0) -> list[Timeline]:
         """Each live replica's engine steps since the last call (trace=True), as lesson-wide
-        Timelines. perf_counter_ns is one clock for all processes of a machine: no offset."""
+        Timelines on this process's clock: each carries the offset measured when it started (about 0
+        on this machine, whose processes share one monotonic clock; anything on another)."""
         asked = [r for r in self._pool.replicas if r.alive]
         for r in asked:
             r.timeline = None
@@ -221,7 +220,8 @@ class DPFrontEnd:
         deadline = time.monotonic() + timeout_s
         while any(r.timeline is None and r.alive for r in asked) and time.monotonic() < deadline:
             time.sleep(0.01)
-        return [Timeline.from_dict(r.timeline) for r in asked if r.timeline is not None]
+        return [replace(Timeline.from_dict(r.timeline), offset_ns=r.offset_ns)
+                for r in asked if r.timeline is not None]
 
     def alive(self) -> list[bool]:
         return [r.alive for r in self._pool.replicas]

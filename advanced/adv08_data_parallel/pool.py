@@ -66,6 +66,7 @@ class ReplicaHandle:
     asked_at: float | None = None       # when the watchdog asked it for its stack
     stack: str | None = None
     timeline: dict | None = None        # its last Timeline.to_dict(), when asked for one
+    offset_ns: int = 0                  # add to its clock to get the front end's (measured at start)
     lock: threading.Lock = field(default_factory=threading.Lock)   # one writer at a time on the connection
 
     def load(self) -> ReplicaLoad:

@@ -2,9 +2,11 @@
 
     replica (rank index+1) dials the store at master-addr:port, then the front end's control
     socket (lesson 18's control.py: token, rank, flags checked); from then on, one connection:
-    front end --conn--> replica: ("add", rid, prompt_ids, params) | ("abort", rid) | ("stack",) | b"" (stop)
-    replica --conn--> front end: ("ready", facts) once (or ("error", traceback)), then per token
-                                 ("event", rid, TokenEvent, logprobs entry, EngineStats),
+    replica --conn--> front end: ("ready", facts) once (or ("error", traceback)), then it answers
+                                 the front end's ("clock", t) pings (timeline.answer_offset)
+    front end --conn--> replica: ("trace", on) once, then ("add", rid, prompt_ids, params) |
+                                 ("abort", rid) | ("stack",) | ("timeline",) | b"" (stop)
+    replica --conn--> front end: ("event", rid, TokenEvent, logprobs entry, EngineStats) per token,
                                  ("error", rid, kind, message, EngineStats) when a request fails,
                                  ("stack", text) when asked where its engine thread is,
                                  ("timeline", spans) when asked, with trace on (its engine steps),
@@ -20,7 +22,8 @@ dead (EngineDead); the replica then tells the front end why and exits with lesso
 Every message carries the engine's stats: the front end's view of each replica's load is as
 fresh as the last token it produced. The connection is a TCP socket wrapped as a
 multiprocessing Connection, so the same code runs whether the front end is on this machine or
-another (node.py starts the replicas of a machine without a front end).
+another (node.py starts the replicas of a machine without a front end; under torchrun each
+rank but 0 turns into its replica in place, node.run_torchrun_replica).
 """
 from __future__ import annotations
 
@@ -30,26 +33,21 @@ import pickle
 import socket
 import sys
 import threading
-import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
 
-from step19_benchmark.faults import EngineDead, FaultPlan, FaultPolicy, inject_faults
-from minivllm_support.timeline import Timeline
+from advanced.adv08_data_parallel.faults import FAULT_ENV, arm_fault, parse_fault
+from step19_benchmark.faults import EngineDead, FaultPolicy
+from minivllm_support.timeline import Timeline, answer_offset
 from step18_tensor_parallel import control, parallel
 from step18_tensor_parallel.control import RendezvousError
 from step20_real_model.engine import build_engine
 from step21_http_serve.async_llm import LogprobFrontEnd
 from step21_http_serve.server import EXIT_ENGINE_DEAD
 
-# Fault injection, lesson 18's style: "<kind>@<N>[:<replica>]" acts on that replica (default:
-# the last) at its N-th forward call. raise: that call raises (its requests fail, the replica
-# goes on); dead: every call from N raises (3 faults: the engine is dead, the replica exits);
-# hang: the call sleeps for an hour (the front end's watchdog must notice).
-FAULT_ENV = "MINIVLLM_DP_FAULT"
 STOP_GRACE_S = 10.0              # told to stop (or the front end vanished): gone by then, whatever
 
 
@@ -64,7 +62,6 @@ class ReplicaSpec:
     max_num_batched_tokens: int
     kv_cache_bytes: int
     enforce_eager: bool
-    trace: bool = False              # record every engine step on a Timeline (run.py's busy share)
     master_addr: str = "127.0.0.1"   # where the front end's store listens (node 0)
     port: int = 0
     nnodes: int = 1
@@ -86,23 +83,9 @@ class ReplicaSpec:
                                 extra="data-parallel")
 
 
-def parse_fault(value: str, index: int, num_replicas: int) -> tuple[str, int] | None:
-    """(kind, call) when FAULT_ENV names this replica; a malformed value is an error, not ignored."""
-    if not value:
-        return None
-    try:
-        kind, rest = value.split("@", 1)
-        call, _, who = rest.partition(":")
-        call, who = int(call), int(who) if who else num_replicas - 1
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV}={value!r}: expected <raise|dead|hang>@<call>[:<replica>]") from None
-    if kind not in ("raise", "dead", "hang") or call < 1:
-        raise ValueError(f"{FAULT_ENV}={value!r}: kind must be raise, dead or hang and call >= 1")
-    return (kind, call) if who == index else None
-
-
 def trace_steps(engine, tl: Timeline) -> None:
-    """Each engine.step() becomes a "compute" span; the gaps between them are the replica idle."""
+    """Each engine.step() becomes a "compute" span (while tl.enabled: the front end's ("trace", on)
+    turns it on); the gaps between them are the replica idle."""
     step = engine.step
 
     def traced() -> list:
@@ -111,33 +94,6 @@ def trace_steps(engine, tl: Timeline) -> None:
             args["tokens"] = len(sampled)
         return sampled
     engine.step = traced            # AsyncEngine calls engine.step(): the instance attribute wins
-
-
-class HangingRunner:
-    """The runner part, but its `at`-th forward never returns (a stuck kernel, a deadlock)."""
-
-    def __init__(self, runner, at: int):
-        self.runner, self.at, self.calls = runner, at, 0
-
-    def forward(self, *args):
-        self.calls += 1
-        if self.calls == self.at:
-            time.sleep(3600)
-        return self.runner.forward(*args)
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
-
-
-def _arm_fault(engine, fault: tuple[str, int] | None) -> None:
-    if fault is None:
-        return
-    kind, call = fault
-    if kind == "hang":
-        engine.runner = HangingRunner(engine.runner, call)
-    else:
-        calls = {call} if kind == "raise" else set(range(call, call + 10_000))
-        inject_faults(engine, FaultPlan(at_calls=calls))
 
 
 def dial_front_end(spec: ReplicaSpec) -> Connection:
@@ -163,15 +119,15 @@ def replica_main(spec: ReplicaSpec) -> None:
         engine = build_engine(spec.folder, spec.dtype, max_num_seqs=spec.max_num_seqs,
                               max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_bytes=spec.kv_cache_bytes,
                               enforce_eager=spec.enforce_eager, threads_per_rank=spec.threads)
-        _arm_fault(engine, fault)
-        tl = Timeline(spec.index, f"replica {spec.index}", enabled=spec.trace)
-        if spec.trace:
-            trace_steps(engine, tl)
+        arm_fault(engine, fault)
+        tl = Timeline(spec.index, f"replica {spec.index}", enabled=False)
+        trace_steps(engine, tl)
         front = LogprobFrontEnd(engine, threaded=False, policy=FaultPolicy())
         bm = engine.scheduler.block_manager
         conn.send(("ready", {"pid": os.getpid(), "host": socket.gethostname(), "num_blocks": bm.num_blocks,
                              "block_size": bm.block_size, "threads": torch.get_num_threads()}))
         ready = True
+        answer_offset(conn)                     # the front end reads our clock against its own
         dead = front.drive(lambda: asyncio.run(_serve(front, engine, conn, tl)))
         if dead is not None:
             conn.send(("dead", f"replica {spec.index} (pid {os.getpid()}): {dead}"))
@@ -252,6 +208,8 @@ async def _serve(front: LogprobFrontEnd, engine, conn: Connection, tl: Timeline)
         elif kind == "timeline":
             send(("timeline", tl.to_dict()))
             tl.clear()
+        elif kind == "trace":
+            tl.enabled = msg[1]
         elif kind == "dead":
             dead.append(msg[1])
             break

@@ -1,7 +1,11 @@
 """Advanced lesson 08: data-parallel replicas behind a router, on a multi-turn chat with shared
 system prompts: prefix hit rate, TTFT/E2EL and throughput per routing policy at equal load, a
 fitted prefill cost model that predicts the TTFT saving of a hit rate (checked on a second
-workload), and one engine on all the cores for comparison."""
+workload), and one engine on all the cores for comparison.
+
+The replicas may span machines (--nnodes/--node-rank/--master-addr/--master-port: this is node 0,
+the others run `python -m advanced.adv08_data_parallel.node`) or be torchrun's ranks (rank 0 runs
+this, every other rank turns into a replica: nnodes x nproc-per-node = --replicas + 1)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from advanced.adv08_data_parallel.frontend import DPFrontEnd
+from advanced.adv08_data_parallel.node import run_torchrun_replica
 from advanced.adv08_data_parallel.workload import chat_workload, run_chat, send_turn
 from minivllm_support.cli import base_parser, machine, setup
 from minivllm_support.models import resolve_model
@@ -19,6 +24,7 @@ from minivllm_support.timeline import busy_fraction, draw_png, write_chrome_trac
 from minivllm_support.timing import busy_warning
 from step04_transformer.config import ModelConfig
 from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step18_tensor_parallel.launch import add_launch_flags, launch_from_args
 from step19_benchmark.frontend import AsyncEngine
 from step19_benchmark.metrics import summarize
 from step20_real_model.engine import LogprobsEngine
@@ -142,22 +148,32 @@ def main() -> None:
     p.add_argument("--kv-mib", type=int, default=256, help="KV pool of each replica")
     p.add_argument("--trace-dir", default=None, help="write the replicas' steps under the cache-aware policy "
                    "there: a Chrome trace (open in ui.perfetto.dev) and a PNG")
+    add_launch_flags(p, "python -m advanced.adv08_data_parallel.node")
     args = p.parse_args()
     args.repeats = args.repeats or 1
     dtype = setup(args)
     folder = resolve_model(args.model)
-    vocab = ModelConfig.from_pretrained(folder).vocab_size
     threads = args.threads or 2
+    options = dict(dtype=dtype, kv_cache_bytes=args.kv_mib * 2**20)
+    per_replica = max(1, threads // args.replicas)
+    run_torchrun_replica(folder, args.replicas, dtype, threads=per_replica, kv_cache_bytes=options["kv_cache_bytes"])
+    try:
+        launch = launch_from_args(args)                      # torchrun's ranks, or the flags
+    except ValueError as e:
+        p.error(str(e))
+    if launch.node_rank != 0:
+        p.error(f"run.py is node 0 (the front end); node {launch.node_rank} runs "
+                f"`python -m advanced.adv08_data_parallel.node --data-parallel-size {args.replicas} ...`")
+    vocab = ModelConfig.from_pretrained(folder).vocab_size
     print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})")
     if warning := busy_warning():
         print(warning)
     print(f"workload: {args.conversations} conversations x {args.turns} turns, {args.systems} shared system "
           f"prompts of {args.system_len} tokens, {args.user_len}-token user turns, {args.max_tokens} tokens per "
           f"reply, {args.rate:g} conversations/s (Poisson); the same arrival times for every row\n")
-    options = dict(dtype=dtype, kv_cache_bytes=args.kv_mib * 2**20)
     t0 = time.perf_counter()
-    with DPFrontEnd(folder, args.replicas, "round_robin", threads_per_replica=max(1, threads // args.replicas),
-                    trace=True, **options) as front:
+    with DPFrontEnd(folder, args.replicas, "round_robin", threads_per_replica=per_replica, trace=True, launch=launch,
+                    **options) as front:
         print(f"{args.replicas} replicas, {front.facts[0]['threads']} torch thread(s) each, started in "
               f"{time.perf_counter() - t0:.1f} s")
         rows = []
