@@ -40,7 +40,7 @@ from step15_flash_attention.backends import choose_backend
 from step15_flash_attention.engine import Engine, ModelRunner, create_kv_pool, create_scheduler, fit_block_size
 from step17_cpu_kernels import engine as lesson17
 from step18_tensor_parallel import control, parallel
-from step18_tensor_parallel.launch import NodeLaunch, placement, placement_table
+from step18_tensor_parallel.launch import NodeLaunch, check_torchrun_world, placement, placement_table
 from step18_tensor_parallel.loader import load_tp_model
 from step18_tensor_parallel.metadata import StepMetadata
 from step18_tensor_parallel.model import check_tp_shapes
@@ -126,6 +126,8 @@ class TPEngine(Engine):
             raise RuntimeError("this process already runs a TPEngine with tensor_parallel_size > 1 (one "
                                "process group per process): close() it first")
         launch = launch or NodeLaunch.from_env() or NodeLaunch()
+        if tp > 1 and launch.torchrun:
+            check_torchrun_world(tp, f"tensor_parallel_size={tp}")
         if tp > 1 and launch.node_rank != 0:
             raise ValueError(f"the engine runs on node 0; node {launch.node_rank} runs headless workers: "
                              f"python -m step18_tensor_parallel.node --node-rank {launch.node_rank} ...")

@@ -79,6 +79,18 @@ def torchrun_rank(env=os.environ) -> int | None:
     return int(env["RANK"]) if all(v in env for v in TORCHRUN_VARS) else None
 
 
+def check_torchrun_world(needed: int, what: str, env=os.environ) -> None:
+    """Under torchrun, refuse on every rank a world that is not `needed` processes, naming both
+    numbers: a wrong count would otherwise wait out the rendezvous (or leave a rank with no part).
+    what: the engine's size in words, e.g. "tensor_parallel_size=2". A no-op without torchrun."""
+    if torchrun_rank(env) is None:
+        return
+    world = int(env["WORLD_SIZE"])
+    if world != needed:
+        raise ValueError(f"torchrun started {world} processes (WORLD_SIZE = --nnodes x --nproc-per-node), "
+                         f"but {what} needs {needed}")
+
+
 def add_launch_flags(parser, node_command: str = "python -m step18_tensor_parallel.node") -> None:
     """The multi-node flags, for every entry point that starts a multi-process engine; node_command:
     what the other nodes run (named in the help)."""

@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from minivllm_support.cli import DTYPES
 from minivllm_support.cpu import auto_dtype
 from minivllm_support.models import resolve_model
-from step18_tensor_parallel.launch import NodeLaunch, add_launch_flags, launch_from_args, torchrun_rank
+from step18_tensor_parallel.launch import (NodeLaunch, add_launch_flags, check_torchrun_world, launch_from_args,
+                                           torchrun_rank)
 from step18_tensor_parallel.worker import WorkerSpec, worker_main
 
 
@@ -108,7 +109,10 @@ def become_worker(target, spec) -> None:
 def run_torchrun_worker(model: str, tp: int, dtype: torch.dtype, timeout_s: float = 60.0) -> None:
     """Under torchrun, on every rank but 0: be that rank's worker, then exit. A no-op elsewhere."""
     rank = torchrun_rank()
-    if rank is None or rank == 0:
+    if rank is None:
+        return
+    check_torchrun_world(tp, f"tensor_parallel_size={tp}")           # on every rank, before anyone waits
+    if rank == 0:
         return
     launch = NodeLaunch.from_env()
     become_worker(worker_main, WorkerSpec(str(model), rank, tp, launch.master_port, dtype, torch.get_num_threads(),

@@ -85,3 +85,11 @@ def torchrun_tokens(tmp_path: Path, script: str, *args: str, timeout_s: float = 
     assert [p.returncode for p in procs] == [0, 0], outs
     line = next(x for x in outs[0].splitlines() if x.startswith("TOKENS"))
     return json.loads(line.split(" ", 1)[1])
+
+
+def fake_torchrun_env(monkeypatch, rank: int, world: int) -> None:
+    """torchrun's variables for one process on one node, as if it had started us (no agent)."""
+    env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world, "GROUP_RANK": 0,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))

@@ -20,7 +20,8 @@ from step18_tensor_parallel.control import RendezvousError
 from advanced.adv06_pipeline_parallel.engine import PPEngine
 from advanced.adv06_pipeline_parallel.stage import Stage
 from advanced.adv06_pipeline_parallel.tp_stage import load_tp_stage
-from tests.processes import free_port, gone, kill_tree, start_node
+from advanced.adv06_pipeline_parallel.node import run_torchrun_stage
+from tests.processes import fake_torchrun_env, free_port, gone, kill_tree, start_node
 from tests.test_adv06_multi_node import _launch
 from tests.test_adv06_pipeline_parallel import _generate_until_failure, _prompts
 
@@ -108,3 +109,13 @@ def test_tp_rank_killed_mid_run_is_named(tiny4, no_leftovers):
     os.kill(engine.workers[-1].pid, signal.SIGKILL)          # rank 3: stage 1, TP rank 1
     error = _generate_until_failure(engine)
     assert "rank 3" in str(error) or "pp-rank-3" in str(error), error
+
+
+def test_a_torchrun_world_other_than_pp_x_tp_is_refused(tiny4, monkeypatch, no_leftovers):
+    refusal = r"torchrun started 2 processes .*, but pipeline_parallel_size=2 x tensor_parallel_size=2 needs 4"
+    fake_torchrun_env(monkeypatch, 1, 2)
+    with pytest.raises(ValueError, match=refusal):
+        run_torchrun_stage(str(tiny4), 2, torch.float32, tp=2)
+    fake_torchrun_env(monkeypatch, 0, 2)
+    with pytest.raises(ValueError, match=refusal):
+        PPEngine(tiny4, CONFIG, pipeline_parallel_size=2, tensor_parallel_size=2, dtype=torch.float32)

@@ -15,7 +15,8 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step18_tensor_parallel.control import RendezvousError
 from step18_tensor_parallel.engine import TPEngine, WorkerFailed
 from step18_tensor_parallel.launch import NodeLaunch, placement, placement_table
-from tests.processes import free_port, gone, kill_tree, new_children, start_node, torchrun_tokens
+from step18_tensor_parallel.node import run_torchrun_worker
+from tests.processes import fake_torchrun_env, free_port, gone, kill_tree, new_children, start_node, torchrun_tokens
 
 PROMPTS = [[5, 9, 33, 7] * 5, list(range(40, 57)), [3, 4]]
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -137,3 +138,15 @@ print("TOKENS", json.dumps([s.output_token_ids for s in outs]))
 
 def test_torchrun_two_nodes_on_loopback(tiny_qwen3_dir, tp1_tokens, tmp_path):
     assert torchrun_tokens(tmp_path, TORCHRUN_SCRIPT, str(tiny_qwen3_dir), json.dumps(PROMPTS)) == tp1_tokens
+
+
+def test_a_torchrun_world_other_than_tp_is_refused_on_every_rank(tiny_qwen3_dir, monkeypatch, no_leftovers):
+    """Checked before a store is dialled: a wrong count would otherwise wait out the rendezvous."""
+    refusal = r"torchrun started 3 processes .*, but tensor_parallel_size=2 needs 2"
+    for rank in (0, 1):
+        fake_torchrun_env(monkeypatch, rank, 3)
+        with pytest.raises(ValueError, match=refusal):
+            run_torchrun_worker(str(tiny_qwen3_dir), 2, torch.float32)
+    fake_torchrun_env(monkeypatch, 0, 3)
+    with pytest.raises(ValueError, match=refusal):
+        TPEngine(tiny_qwen3_dir, CONFIG, tensor_parallel_size=2, dtype=torch.float32)

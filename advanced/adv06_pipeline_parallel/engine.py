@@ -45,7 +45,7 @@ from step15_flash_attention.engine import fit_block_size
 from step17_cpu_kernels.engine import KernelSampler
 from step18_tensor_parallel import parallel
 from step18_tensor_parallel.engine import _release
-from step18_tensor_parallel.launch import NodeLaunch, placement, placement_table
+from step18_tensor_parallel.launch import NodeLaunch, check_torchrun_world, placement, placement_table
 from step18_tensor_parallel.metadata import StepMetadata
 from step18_tensor_parallel.model import local_config
 from step18_tensor_parallel.workers import WorkerFailed, WorkerSet
@@ -89,6 +89,8 @@ class PPEngine(LLMEngine):
         if world > 1 and dist.is_initialized():
             raise RuntimeError("this process already runs a process group (a TP or PP engine): close() it first")
         self.launch = launch = launch or NodeLaunch.from_env() or NodeLaunch()
+        if world > 1 and launch.torchrun:
+            check_torchrun_world(world, f"pipeline_parallel_size={p} x tensor_parallel_size={tp}")
         if world > 1 and launch.node_rank != 0:
             raise ValueError(f"the engine runs on node 0; node {launch.node_rank} runs its stages headless: "
                              f"python -m advanced.adv06_pipeline_parallel.node --node-rank {launch.node_rank} ...")

@@ -24,7 +24,7 @@ import torch
 
 from minivllm_support.models import resolve_model
 from step04_transformer.config import ModelConfig
-from step18_tensor_parallel.launch import NodeLaunch, torchrun_rank
+from step18_tensor_parallel.launch import NodeLaunch, check_torchrun_world, torchrun_rank
 from step18_tensor_parallel.model import local_config
 from step18_tensor_parallel.node import become_worker, node_launch, node_parser, run_node
 from advanced.adv06_pipeline_parallel.partition import partition_layers
@@ -52,7 +52,10 @@ def run_torchrun_stage(model: str, pp: int, dtype: torch.dtype, timeout_s: float
     """Under torchrun, on every rank but 0: be that rank's stage, then exit. A no-op elsewhere
     (call it first thing, before building the engine, as lesson 18's run_torchrun_worker)."""
     rank = torchrun_rank()
-    if rank is None or rank == 0:
+    if rank is None:
+        return
+    check_torchrun_world(pp * tp, f"pipeline_parallel_size={pp} x tensor_parallel_size={tp}")
+    if rank == 0:
         return
     specs = stage_specs(str(model), pp, dtype, NodeLaunch.from_env(), timeout_s, torch.get_num_threads(),
                         layer_partition, tp=tp)
