@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from minivllm_support.tiny import build_tiny_qwen3
 from step04_transformer.config import ModelConfig
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.kv_pool import KVPool
