@@ -6,8 +6,8 @@ So anything that does not line up is an error that names the tensor.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -39,12 +39,17 @@ def check_all_filled(params, filled: set[str], folder: str | Path) -> None:
         raise KeyError(f"checkpoint in {str(folder)!r} is missing tensors: {missing[:5]}{more}")
 
 
-def load_weights(model: torch.nn.Module, folder: str | Path, dtype: torch.dtype) -> None:
+def load_weights(model: torch.nn.Module, folder: str | Path, dtype: torch.dtype,
+                 keep: Callable[[str], bool] | None = None) -> None:
+    """keep(name) False: the tensor belongs to a part of the model held elsewhere (a pipeline
+    stage, advanced lesson 06) and is not read; every parameter of `model` must still be filled."""
     params = dict(model.named_parameters())
     tied = getattr(model, "lm_head", 0) is None
     filled: set[str] = set()
     stored_head = None
     for file, name, f in checkpoint_tensors(folder):
+        if keep is not None and not keep(name):
+            continue
         if tied and name == "lm_head.weight":
             stored_head = f.get_tensor(name)  # a tied checkpoint may still store it: check below
             continue

@@ -50,9 +50,11 @@ def test_tp2_pp2_equals_one_process(tiny4, one_process, no_leftovers):
         assert weights[0] == weights[1] > weights[2] == weights[3]    # stage 0 ranks: the whole embedding each
 
 
-def test_tp_stages_chain_to_the_full_model_and_split_the_layers(tmp_path):
-    """Loaded without processes: each rank's stage holds half of every linear of its layers; the
-    untied LM head only on rank 0; a model that cannot be split is refused naming the field."""
+def test_tp_stage_loader_splits_the_linears_and_keeps_the_head_on_rank_0(tmp_path):
+    """Loaded without processes (a split forward needs its all-reduce partner, so the tokens are
+    the engine tests' job): each rank's stage holds its half of every linear of its layers; the
+    untied LM head only on rank 0, and it equals the full model's; the whole embedding on every
+    rank of stage 0; a model that cannot be split is refused naming the field."""
     folder = build_tiny_qwen3(tmp_path / "untied", num_hidden_layers=4, tie_word_embeddings=False)
     full = load_model(folder, torch.float32)
     parts = {(s, r): load_tp_stage(folder, Stage(s, 2, 2 * s, 2 * s + 2), r, 2) for s in (0, 1) for r in (0, 1)}
@@ -64,8 +66,6 @@ def test_tp_stages_chain_to_the_full_model_and_split_the_layers(tmp_path):
         load_tp_stage(folder, Stage(0, 2, 0, 2), 0, 3)
     ids, pos = torch.tensor([3, 8, 100, 7]), torch.arange(4)
     ref = full.compute_logits(full(ids, pos, SingleSequenceAttention()))
-    # one rank per stage (world 1 in each TP group is not possible without processes): the split
-    # forward needs its all-reduce, so here only the embedding and the head are compared
     assert torch.equal(parts[0, 1].model.embed_tokens(ids), full.model.embed_tokens(ids))
     assert torch.equal(parts[0, 0].compute_logits(full(ids, pos)), ref)
 

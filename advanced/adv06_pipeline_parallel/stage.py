@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from step04_transformer.config import ModelConfig
-from step04_transformer.loader import check_all_filled, checkpoint_tensors
+from step04_transformer.loader import load_weights
 from step04_transformer.model import CausalLM, StepAttention
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -126,30 +126,12 @@ def owned_by(name: str, cfg: ModelConfig, stage: Stage) -> bool:
 
 
 def load_stage(folder: str | Path, stage: Stage, dtype: torch.dtype = torch.float32) -> StageModel:
-    """Lesson 04's load_model for one stage: reads only its tensors, and still fails naming the
-    tensor on anything that does not line up (missing, unexpected, wrong shape)."""
+    """Lesson 04's load_model for one stage: reads only the tensors the stage owns, and still
+    fails naming the tensor on anything that does not line up (missing, unexpected, wrong shape)."""
     cfg = ModelConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = StageModel(cfg, stage)
     model = model.to_empty(device="cpu").to(dtype)
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-    params = dict(model.named_parameters())
-    filled: set[str] = set()
-    for file, name, f in checkpoint_tensors(folder):
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue           # a tied head is the embedding (lesson 04 checks that they agree)
-        if not owned_by(name, cfg, stage):
-            continue
-        if name not in params:
-            raise KeyError(f"checkpoint tensor {name!r} ({file}) matches no model parameter")
-        if name in filled:
-            raise KeyError(f"checkpoint tensor {name!r} appears twice")
-        tensor = f.get_tensor(name)
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                             f"model {tuple(params[name].shape)}")
-        with torch.no_grad():
-            params[name].copy_(tensor.to(dtype))
-        filled.add(name)
-    check_all_filled(params, filled, folder)
+    load_weights(model, folder, dtype, keep=lambda name: owned_by(name, cfg, stage))
     return model.eval().requires_grad_(False)
