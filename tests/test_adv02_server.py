@@ -15,8 +15,8 @@ from openai import BadRequestError, OpenAI
 from advanced.adv02_sampling.engine import AdvLLM
 from advanced.adv02_sampling.params import SamplingParams
 from advanced.adv02_sampling.server import AdvAsyncLLM, ChatCompletionRequest, CompletionRequest
-from step21_http_serve.api import build_app
-from step21_http_serve.server import ServerThread
+from step20_http_serve.api import build_app
+from step20_http_serve.server import ServerThread
 
 MODEL = "smollm2-adv02"
 PROMPT = "The list of colors: red, blue, red, blue,"

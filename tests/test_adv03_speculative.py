@@ -25,7 +25,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.block_manager import PrefixCachingBlockManager
 from step16_cuda_graph import engine as lesson16
 from step16_cuda_graph.runner import GraphRunner
-from step17_cpu_kernels import engine as lesson17
+from step16_cuda_graph.cpu import engine as lesson17
 
 ALPHA = 1e-3          # fixed seeds make every test deterministic; alpha bounds a false alarm
 

@@ -18,7 +18,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.kv_pool import HeadMajorKVPool
 from step16_cuda_graph import engine as lesson16
 from step16_cuda_graph.runner import GraphRunner
-from step17_cpu_kernels import engine as lesson17
+from step16_cuda_graph.cpu import engine as lesson17
 
 
 # ---- the pieces, by hand ---------------------------------------------------------------------

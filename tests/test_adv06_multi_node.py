@@ -13,9 +13,9 @@ import torch
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step17_cpu_kernels.engine import build_engine
-from step18_tensor_parallel.control import RendezvousError
-from step18_tensor_parallel.launch import NodeLaunch
+from step16_cuda_graph.cpu.engine import build_engine
+from step17_tensor_parallel.control import RendezvousError
+from step17_tensor_parallel.launch import NodeLaunch
 from advanced.adv06_pipeline_parallel.engine import PPEngine
 from tests.processes import free_port, gone, kill_tree, start_node, torchrun_tokens
 from tests.test_adv06_pipeline_parallel import _generate_until_failure, _prompts

@@ -21,9 +21,9 @@ from step04_transformer.loader import load_model
 from step04_transformer.model import SingleSequenceAttention
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step17_cpu_kernels.engine import build_engine
-from step18_tensor_parallel.engine import WorkerFailed
-from step18_tensor_parallel.worker import model_bytes
+from step16_cuda_graph.cpu.engine import build_engine
+from step17_tensor_parallel.engine import WorkerFailed
+from step17_tensor_parallel.worker import model_bytes
 from advanced.adv06_pipeline_parallel.costmodel import (bubble_fractions, fit_hop, fit_lm_head, fit_stage_costs,
                                                         head_spans, hop_samples, layer_spans, micro_batches,
                                                         predict_seconds, rank0_overhead)

@@ -15,8 +15,8 @@ from step04_transformer.loader import load_model
 from step04_transformer.model import SingleSequenceAttention
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step17_cpu_kernels.engine import build_engine
-from step18_tensor_parallel.control import RendezvousError
+from step16_cuda_graph.cpu.engine import build_engine
+from step17_tensor_parallel.control import RendezvousError
 from advanced.adv06_pipeline_parallel.engine import PPEngine
 from advanced.adv06_pipeline_parallel.stage import Stage
 from advanced.adv06_pipeline_parallel.tp_stage import load_tp_stage

@@ -24,10 +24,10 @@ from minivllm_support.timeline import chrome_trace, validate_trace, write_chrome
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step17_cpu_kernels.engine import build_engine
-from step18_tensor_parallel.control import RendezvousError
-from step18_tensor_parallel.launch import NodeLaunch
-from step18_tensor_parallel.workers import WorkerFailed
+from step16_cuda_graph.cpu.engine import build_engine
+from step17_tensor_parallel.control import RendezvousError
+from step17_tensor_parallel.launch import NodeLaunch
+from step17_tensor_parallel.workers import WorkerFailed
 from tests.processes import free_port, gone, kill_tree, start_node
 
 

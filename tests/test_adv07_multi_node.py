@@ -19,7 +19,7 @@ from advanced.adv07_context_parallel.node import run_torchrun_rank
 from advanced.adv07_context_parallel.worker import FAULT_ENV
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
-from step17_cpu_kernels.engine import build_engine
+from step16_cuda_graph.cpu.engine import build_engine
 from tests.processes import fake_torchrun_env, free_port, gone, kill_tree, torchrun_tokens
 from tests.test_adv07_context_parallel import CONFIG, _prompt
 
@@ -30,7 +30,7 @@ TORCHRUN_SCRIPT = """
 import json, sys, torch
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step18_tensor_parallel.workers import WorkerFailed
+from step17_tensor_parallel.workers import WorkerFailed
 from advanced.adv07_context_parallel.engine import CPEngine
 from advanced.adv07_context_parallel.node import run_torchrun_rank
 folder, prompt = sys.argv[1], json.loads(sys.argv[2])

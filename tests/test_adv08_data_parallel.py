@@ -21,12 +21,12 @@ from advanced.adv08_data_parallel.faults import FAULT_ENV, parse_fault
 from advanced.adv08_data_parallel.router import CacheAware, ReplicaLoad, create_router
 from advanced.adv08_data_parallel.server import DPAsyncLLM
 from advanced.adv08_data_parallel.workload import chat_workload, run_chat, send_turn
-from step19_benchmark.faults import EngineDead, StepFailed
-from step19_benchmark.loadgen import Request, engine_sender
+from step18_benchmark.faults import EngineDead, StepFailed
+from step18_benchmark.loadgen import Request, engine_sender
 from minivllm_support.timeline import chrome_trace, validate_trace
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step20_real_model.engine import LogprobsEngine
-from step20_real_model.params import SamplingParams
+from step19_real_model.engine import LogprobsEngine
+from step19_real_model.params import SamplingParams
 from tests.processes import our_children
 
 WAIT_S = 20.0            # the bound on any wait here: a failure must show well before it
@@ -169,7 +169,7 @@ def test_conversation_keeps_its_prefix_under_cache_aware_not_under_rotation(smol
 
 def test_lesson21_api_serves_from_the_replicas(smol_front):
     from fastapi.testclient import TestClient
-    from step21_http_serve.api import build_app
+    from step20_http_serve.api import build_app
     smol_front.set_policy("cache_aware")
     llm = DPAsyncLLM(smol_front, "smol")
     with TestClient(build_app(llm)) as client:

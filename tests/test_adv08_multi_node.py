@@ -18,10 +18,10 @@ from advanced.adv08_data_parallel.frontend import DPFrontEnd
 from advanced.adv08_data_parallel.node import run_torchrun_replica
 from minivllm_support.timeline import chrome_trace, validate_trace
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step18_tensor_parallel.control import RendezvousError
-from step18_tensor_parallel.launch import NodeLaunch
-from step19_benchmark.faults import EngineDead
-from step20_real_model.engine import LogprobsEngine
+from step17_tensor_parallel.control import RendezvousError
+from step17_tensor_parallel.launch import NodeLaunch
+from step18_benchmark.faults import EngineDead
+from step19_real_model.engine import LogprobsEngine
 from tests.processes import fake_torchrun_env, free_port, gone, kill_tree, new_children, our_children, start_node, torchrun_tokens
 from tests.test_adv08_data_parallel import WAIT_S, _greedy, _run, _tokens
 
@@ -110,7 +110,7 @@ import asyncio, json, sys, torch
 from advanced.adv08_data_parallel.frontend import DPFrontEnd
 from advanced.adv08_data_parallel.node import run_torchrun_replica
 from minivllm_support.timeline import chrome_trace, validate_trace
-from step20_real_model.params import SamplingParams
+from step19_real_model.params import SamplingParams
 folder, prompts = sys.argv[1], json.loads(sys.argv[2])
 run_torchrun_replica(folder, 1, torch.float32, kv_cache_bytes=16 << 20)   # rank 1: be replica 0, then exit here
 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

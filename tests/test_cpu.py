@@ -17,7 +17,7 @@ from step14_batched_forward import kernel
 def _libraries() -> dict[str, ctypes.CDLL]:
     from advanced.adv04_flash_decoding import flash_decode_cpu
     from step15_flash_attention import flash_cpu
-    from step17_cpu_kernels import ops
+    from step16_cuda_graph.cpu import ops
     libs = {"paged_decode": kernel.load(), "flash_attention": flash_cpu.load(),
             "flash_decode": flash_decode_cpu.load(), "elementwise": ops.kernels_library()}
     return {name: lib for name, lib in libs.items() if lib is not None}

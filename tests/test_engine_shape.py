@@ -13,8 +13,8 @@ import torch
 
 from step14_batched_forward.engine import BatchedEngine
 from step15_flash_attention.engine import Engine
-from step18_tensor_parallel.engine import TPEngine
-from step20_real_model.engine import LogprobsEngine
+from step17_tensor_parallel.engine import TPEngine
+from step19_real_model.engine import LogprobsEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def test_building_an_engine_leaves_the_model_alone(tiny_qwen3_dir, lesson):
     from step12_paged_attention.scheduler import PagedSchedulerConfig
     from step15_flash_attention import engine as lesson15
     from step16_cuda_graph import engine as lesson16
-    from step17_cpu_kernels import engine as lesson17
+    from step16_cuda_graph.cpu import engine as lesson17
     model = load_model(tiny_qwen3_dir, torch.bfloat16)
     modules, weights = _snapshot(model)
     config = PagedSchedulerConfig(block_size=4, kv_cache_bytes=2**20, max_num_seqs=2, max_num_batched_tokens=16)

@@ -29,7 +29,7 @@ from advanced.adv01_quantization.quantize import QuantScheme, W8A16
 from minivllm_support.models import embedded_smollm2
 from step04_transformer.loader import load_model
 from step15_flash_attention.engine import ModelRunner
-from step20_real_model.llm import LLM
+from step19_real_model.llm import LLM
 
 
 def _check_engine(engine) -> None:

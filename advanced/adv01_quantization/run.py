@@ -27,8 +27,8 @@ from minivllm_support.timing import format_ratio
 from minivllm_support.workloads import weight_floor
 from step04_transformer.config import ModelConfig
 from step04_transformer.loader import load_model
-from step20_real_model.llm import LLM
-from step20_real_model.params import SamplingParams
+from step19_real_model.llm import LLM
+from step19_real_model.params import SamplingParams
 
 MB = 1e6
 QUALITY = {"W8A16 per-channel": (W8A16, None), "W4A16 g32 asym": (QuantScheme(4, 32, False), None),

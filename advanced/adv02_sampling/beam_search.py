@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from step06_sampler.params import _is_int, _is_real
-from step20_real_model.params import MAX_LOGPROBS
-from step20_real_model.params import SamplingParams as LLMSamplingParams
+from step19_real_model.params import MAX_LOGPROBS
+from step19_real_model.params import SamplingParams as LLMSamplingParams
 
 
 @dataclass

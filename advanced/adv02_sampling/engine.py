@@ -24,8 +24,8 @@ from torch import Tensor
 from step09_continuous_batching.scheduler import ScheduledBatch
 from step09_continuous_batching.sequence import Sequence
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step20_real_model.engine import LogprobsEngine
-from step20_real_model.llm import LLM
+from step19_real_model.engine import LogprobsEngine
+from step19_real_model.llm import LLM
 
 from .beam_search import BeamSearchParams, BeamSequence, llm_beam_search
 from .penalties import apply_penalties

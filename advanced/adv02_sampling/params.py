@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from step06_sampler.params import _is_int, _is_real
-from step20_real_model.params import SamplingParams as LLMSamplingParams
+from step19_real_model.params import SamplingParams as LLMSamplingParams
 
 
 @dataclass

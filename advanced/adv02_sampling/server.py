@@ -19,14 +19,14 @@ from typing import Annotated, AsyncIterator
 
 from pydantic import BaseModel, Field, StrictStr
 
-from step19_benchmark.faults import FaultPolicy
-from step20_real_model.params import SamplingParams as LLMSamplingParams
-from step21_http_serve import protocol
-from step21_http_serve.__main__ import main
-from step21_http_serve.api import _engine_error, build_app
-from step21_http_serve.async_llm import AsyncLLM, Delta
-from step21_http_serve.protocol import Float
-from step21_http_serve.server import arm_fault_marker
+from step18_benchmark.faults import FaultPolicy
+from step19_real_model.params import SamplingParams as LLMSamplingParams
+from step20_http_serve import protocol
+from step20_http_serve.__main__ import main
+from step20_http_serve.api import _engine_error, build_app
+from step20_http_serve.async_llm import AsyncLLM, Delta
+from step20_http_serve.protocol import Float
+from step20_http_serve.server import arm_fault_marker
 
 from .engine import AdvLLM, bad_words_to_ids, check_token_ids
 from .params import SamplingParams

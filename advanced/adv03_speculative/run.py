@@ -18,7 +18,7 @@ from minivllm_support.timing import compare, format_ratio
 from step04_transformer.model import SingleSequenceAttention
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step17_cpu_kernels.engine import build_engine, cpu_fast_path
+from step16_cuda_graph.cpu.engine import build_engine, cpu_fast_path
 from advanced.adv03_speculative.engine import SpecStats, build_spec_engine
 from advanced.adv03_speculative.proposers import LayerSkipProposer, NgramProposer
 

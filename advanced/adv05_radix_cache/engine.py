@@ -24,7 +24,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.engine import PrefixCachingScheduler
 from step15_flash_attention.engine import Engine
 from step16_cuda_graph import engine as lesson16
-from step17_cpu_kernels import engine as lesson17
+from step16_cuda_graph.cpu import engine as lesson17
 from advanced.adv05_radix_cache.block_manager import RadixBlockManager
 
 

@@ -9,7 +9,7 @@ from minivllm_support.lesson import start_lesson
 from minivllm_support.timing import compare, format_ratio
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step17_cpu_kernels.engine import build_engine, cpu_fast_path
+from step16_cuda_graph.cpu.engine import build_engine, cpu_fast_path
 from advanced.adv05_radix_cache.engine import build_radix_engine
 
 CONVERSATIONS = [

@@ -42,13 +42,13 @@ from step09_continuous_batching.sequence import Sequence
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step15_flash_attention.backends import choose_backend
 from step15_flash_attention.engine import fit_block_size
-from step17_cpu_kernels.engine import KernelSampler
-from step18_tensor_parallel import parallel
-from step18_tensor_parallel.engine import _release
-from step18_tensor_parallel.launch import NodeLaunch, check_torchrun_world, placement, placement_table
-from step18_tensor_parallel.metadata import StepMetadata
-from step18_tensor_parallel.model import local_config
-from step18_tensor_parallel.workers import WorkerFailed, WorkerSet
+from step16_cuda_graph.cpu.engine import KernelSampler
+from step17_tensor_parallel import parallel
+from step17_tensor_parallel.engine import _release
+from step17_tensor_parallel.launch import NodeLaunch, check_torchrun_world, placement, placement_table
+from step17_tensor_parallel.metadata import StepMetadata
+from step17_tensor_parallel.model import local_config
+from step17_tensor_parallel.workers import WorkerFailed, WorkerSet
 from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv06_pipeline_parallel.partition import partition_layers
 from advanced.adv06_pipeline_parallel.stage import Stage, stage_config

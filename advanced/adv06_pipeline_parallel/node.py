@@ -24,9 +24,9 @@ import torch
 
 from minivllm_support.models import resolve_model
 from step04_transformer.config import ModelConfig
-from step18_tensor_parallel.launch import NodeLaunch, check_torchrun_world, torchrun_rank
-from step18_tensor_parallel.model import local_config
-from step18_tensor_parallel.node import become_worker, node_launch, node_parser, run_node
+from step17_tensor_parallel.launch import NodeLaunch, check_torchrun_world, torchrun_rank
+from step17_tensor_parallel.model import local_config
+from step17_tensor_parallel.node import become_worker, node_launch, node_parser, run_node
 from advanced.adv06_pipeline_parallel.partition import partition_layers
 from advanced.adv06_pipeline_parallel.stage import Stage
 from advanced.adv06_pipeline_parallel.worker import StageSpec, stage_worker_main

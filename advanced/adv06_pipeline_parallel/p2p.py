@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from step18_tensor_parallel.metadata import StepMetadata
-from step18_tensor_parallel.parallel import CollectiveError
+from step17_tensor_parallel.metadata import StepMetadata
+from step17_tensor_parallel.parallel import CollectiveError
 
 TIMELINE_REQUEST = b"timeline"      # rank 0 asks a worker for its spans (it answers over the control socket)
 

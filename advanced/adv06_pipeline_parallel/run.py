@@ -17,9 +17,9 @@ from minivllm_support.timeline import Timeline, bubble_formula, chrome_trace, dr
 from minivllm_support.timing import compare
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step17_cpu_kernels.engine import build_engine
-from step18_tensor_parallel.launch import add_launch_flags, launch_from_args
-from step18_tensor_parallel.model import local_config
+from step16_cuda_graph.cpu.engine import build_engine
+from step17_tensor_parallel.launch import add_launch_flags, launch_from_args
+from step17_tensor_parallel.model import local_config
 from advanced.adv06_pipeline_parallel.costmodel import (bubble_fractions, compute_slowdown, fit_hop, fit_lm_head,
                                                         fit_stage_costs, hop_samples, layer_spans, micro_batches,
                                                         predict_seconds, rank0_overhead)

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from step04_transformer.config import ModelConfig
-from step18_tensor_parallel import parallel
-from step18_tensor_parallel.loader import load_sharded
-from step18_tensor_parallel.model import TPCausalLM
+from step17_tensor_parallel import parallel
+from step17_tensor_parallel.loader import load_sharded
+from step17_tensor_parallel.model import TPCausalLM
 from advanced.adv06_pipeline_parallel.stage import Stage, StageModel, keep_stage_only, owned_by
 
 

@@ -22,7 +22,7 @@ from step09_continuous_batching.sequence import Sequence
 from step12_paged_attention.scheduler import PagedScheduler, PagedSchedulerConfig
 from step15_flash_attention.attention import FlashPagedAttention
 from step15_flash_attention.engine import create_scheduler
-from step18_tensor_parallel.engine import sampled_rows
+from step17_tensor_parallel.engine import sampled_rows
 
 
 @dataclass

@@ -28,8 +28,8 @@ from minivllm_support.cli import machine
 from minivllm_support.workloads import random_qwen3_06b
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step18_tensor_parallel import parallel
-from step18_tensor_parallel.engine import TPEngine
+from step17_tensor_parallel import parallel
+from step17_tensor_parallel.engine import TPEngine
 from advanced.adv06_pipeline_parallel.engine import PPEngine
 
 LINKS_GBIT = (10, 25, 100)

@@ -28,11 +28,11 @@ import torch
 
 from minivllm_support.timeline import Timeline, answer_offset
 from step15_flash_attention.backends import choose_backend
-from step17_cpu_kernels.engine import cpu_fast_path
-from step18_tensor_parallel import control
-from step18_tensor_parallel.metadata import MetadataAttention
+from step16_cuda_graph.cpu.engine import cpu_fast_path
+from step17_tensor_parallel import control
+from step17_tensor_parallel.metadata import MetadataAttention
 from step14_batched_forward.packed_linear import pack_linears
-from step18_tensor_parallel.worker import join_rank0, model_bytes, worker_exit
+from step17_tensor_parallel.worker import join_rank0, model_bytes, worker_exit
 from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv06_pipeline_parallel.stage import Stage, load_stage, stage_config
 from advanced.adv06_pipeline_parallel.tp_stage import join_tp_groups, load_tp_stage

@@ -52,12 +52,12 @@ from step09_continuous_batching.sequence import Sequence, SequenceStatus
 from step12_paged_attention.kv_pool import slot_mapping
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step15_flash_attention.engine import Engine
-from step17_cpu_kernels import engine as lesson17
-from step18_tensor_parallel import parallel
-from step18_tensor_parallel.engine import _release
-from step18_tensor_parallel.launch import NodeLaunch
-from step18_tensor_parallel.workers import WorkerFailed, WorkerSet
-from step18_tensor_parallel.worker import model_bytes
+from step16_cuda_graph.cpu import engine as lesson17
+from step17_tensor_parallel import parallel
+from step17_tensor_parallel.engine import _release
+from step17_tensor_parallel.launch import NodeLaunch
+from step17_tensor_parallel.workers import WorkerFailed, WorkerSet
+from step17_tensor_parallel.worker import model_bytes
 
 
 class CPEngine(Engine):

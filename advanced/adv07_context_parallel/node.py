@@ -25,9 +25,9 @@ import torch
 
 from advanced.adv07_context_parallel.worker import CPWorkerSpec, worker_main
 from minivllm_support.models import resolve_model
-from step18_tensor_parallel.launch import NodeLaunch, torchrun_rank
-from step18_tensor_parallel.launch import check_torchrun_world as check_world
-from step18_tensor_parallel.node import become_worker, node_launch, node_parser, run_node
+from step17_tensor_parallel.launch import NodeLaunch, torchrun_rank
+from step17_tensor_parallel.launch import check_torchrun_world as check_world
+from step17_tensor_parallel.node import become_worker, node_launch, node_parser, run_node
 
 NODE_COMMAND = "python -m advanced.adv07_context_parallel.node"
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from advanced.adv04_flash_decoding.flash_decode_torch import merge_splits
 from advanced.adv07_context_parallel.zigzag import Chunk, Layout, pairs, relation
 from minivllm_support.timeline import Timeline
-from step18_tensor_parallel.parallel import CollectiveError
+from step17_tensor_parallel.parallel import CollectiveError
 
 KVSink = Callable[[int, int, Tensor], None]      # (layer, source rank, [2, n, Hkv, D]) -> None
 

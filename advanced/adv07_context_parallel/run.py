@@ -17,7 +17,7 @@ from minivllm_support.timing import busy_warning
 from step04_transformer.config import ModelConfig
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step18_tensor_parallel.launch import add_launch_flags, launch_from_args
+from step17_tensor_parallel.launch import add_launch_flags, launch_from_args
 
 TEXT = ("The harbour wakes before the town does. Fishing boats come in with the tide, gulls follow "
         "them, and the market opens as soon as the first crates are on the quay. ")

@@ -29,9 +29,9 @@ from advanced.adv07_context_parallel.ring import Ring, RingAttention, time_hops
 from advanced.adv07_context_parallel.zigzag import make_layout
 from minivllm_support.timeline import Timeline, answer_offset
 from step04_transformer.loader import load_model
-from step17_cpu_kernels.engine import cpu_fast_path
-from step18_tensor_parallel import control
-from step18_tensor_parallel.worker import join_rank0, model_bytes, worker_exit
+from step16_cuda_graph.cpu.engine import cpu_fast_path
+from step17_tensor_parallel import control
+from step17_tensor_parallel.worker import join_rank0, model_bytes, worker_exit
 
 # Fault injection, lesson 18's style: "raise@N", "hang@N" or "exit@N" makes the last rank fail
 # in the ring of layer 1 of its N-th prompt, so rank 0 is mid-ring, waiting for a hop.

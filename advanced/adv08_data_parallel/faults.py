@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from step19_benchmark.faults import FaultPlan, inject_faults
+from step18_benchmark.faults import FaultPlan, inject_faults
 
 # "<kind>@<N>[:<replica>]": that replica (default: the last) at its N-th forward call.
 FAULT_ENV = "MINIVLLM_DP_FAULT"

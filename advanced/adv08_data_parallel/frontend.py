@@ -45,10 +45,10 @@ from advanced.adv08_data_parallel.router import CacheAware, Router, create_route
 from minivllm_support.models import resolve_model
 from minivllm_support.timeline import Timeline, measure_offset
 from step14_batched_forward.engine import EngineStats
-from step18_tensor_parallel.launch import NodeLaunch, torchrun_rank
-from step19_benchmark.faults import EngineDead
-from step19_benchmark.frontend import TokenEvent
-from step20_real_model.params import SamplingParams
+from step17_tensor_parallel.launch import NodeLaunch, torchrun_rank
+from step18_benchmark.faults import EngineDead
+from step18_benchmark.frontend import TokenEvent
+from step19_real_model.params import SamplingParams
 
 
 class DPFrontEnd:

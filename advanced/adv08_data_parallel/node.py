@@ -29,8 +29,8 @@ import torch
 from advanced.adv08_data_parallel.placement import check_torchrun_world, local_replicas
 from advanced.adv08_data_parallel.replica import ReplicaSpec, replica_main
 from minivllm_support.models import resolve_model
-from step18_tensor_parallel.launch import NodeLaunch, torchrun_rank
-from step18_tensor_parallel.node import become_worker, node_launch, node_parser, run_node
+from step17_tensor_parallel.launch import NodeLaunch, torchrun_rank
+from step17_tensor_parallel.node import become_worker, node_launch, node_parser, run_node
 
 
 def replica_specs(folder: str, num_replicas: int, dtype: torch.dtype, launch: NodeLaunch, *, threads: int | None = None,

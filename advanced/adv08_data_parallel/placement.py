@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 
-from step18_tensor_parallel.launch import NodeLaunch
-from step18_tensor_parallel.launch import check_torchrun_world as check_world
-from step18_tensor_parallel.workers import WorkerSet
+from step17_tensor_parallel.launch import NodeLaunch
+from step17_tensor_parallel.launch import check_torchrun_world as check_world
+from step17_tensor_parallel.workers import WorkerSet
 
 
 def replicas_per_node(num_replicas: int, launch: NodeLaunch) -> int:

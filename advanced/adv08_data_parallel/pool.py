@@ -26,9 +26,9 @@ from multiprocessing.connection import Connection, wait
 
 from advanced.adv08_data_parallel.router import ReplicaLoad, Router
 from step14_batched_forward.engine import EngineStats
-from step18_tensor_parallel.workers import shutdown
-from step19_benchmark.faults import EngineDead, StepFailed
-from step20_real_model.params import SamplingParams
+from step17_tensor_parallel.workers import shutdown
+from step18_benchmark.faults import EngineDead, StepFailed
+from step19_real_model.params import SamplingParams
 
 # A replica's error crosses the connection as its class name and is raised here as the same class, so
 # lesson 21's API answers it as it would for one engine (StepFailed 500, EngineDead 503, ValueError 400).

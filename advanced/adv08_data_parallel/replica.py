@@ -40,13 +40,13 @@ from multiprocessing.connection import Connection
 import torch
 
 from advanced.adv08_data_parallel.faults import FAULT_ENV, arm_fault, parse_fault
-from step19_benchmark.faults import EngineDead, FaultPolicy
+from step18_benchmark.faults import EngineDead, FaultPolicy
 from minivllm_support.timeline import Timeline, answer_offset
-from step18_tensor_parallel import control, parallel
-from step18_tensor_parallel.control import RendezvousError
-from step20_real_model.engine import build_engine
-from step21_http_serve.async_llm import LogprobFrontEnd
-from step21_http_serve.server import EXIT_ENGINE_DEAD
+from step17_tensor_parallel import control, parallel
+from step17_tensor_parallel.control import RendezvousError
+from step19_real_model.engine import build_engine
+from step20_http_serve.async_llm import LogprobFrontEnd
+from step20_http_serve.server import EXIT_ENGINE_DEAD
 
 STOP_GRACE_S = 10.0              # told to stop (or the front end vanished): gone by then, whatever
 

@@ -24,10 +24,10 @@ from minivllm_support.timeline import busy_fraction, draw_png, write_chrome_trac
 from minivllm_support.timing import busy_warning
 from step04_transformer.config import ModelConfig
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from step18_tensor_parallel.launch import add_launch_flags, launch_from_args
-from step19_benchmark.frontend import AsyncEngine
-from step19_benchmark.metrics import summarize
-from step20_real_model.engine import LogprobsEngine
+from step17_tensor_parallel.launch import add_launch_flags, launch_from_args
+from step18_benchmark.frontend import AsyncEngine
+from step18_benchmark.metrics import summarize
+from step19_real_model.engine import LogprobsEngine
 
 POLICIES = [("round_robin", {}), ("least_load", {"tie_break": "rotate"}), ("cache_aware", {})]
 

@@ -19,11 +19,11 @@ import torch
 from advanced.adv08_data_parallel.frontend import DPFrontEnd
 from minivllm_support.models import load_tokenizer
 from step04_transformer.config import ModelConfig
-from step18_tensor_parallel.launch import NodeLaunch
-from step20_real_model.llm import render_chat
-from step21_http_serve.api import build_app
-from step21_http_serve.async_llm import AsyncLLM
-from step21_http_serve.metrics import ServerMetrics
+from step17_tensor_parallel.launch import NodeLaunch
+from step19_real_model.llm import render_chat
+from step20_http_serve.api import build_app
+from step20_http_serve.async_llm import AsyncLLM
+from step20_http_serve.metrics import ServerMetrics
 
 
 @dataclass

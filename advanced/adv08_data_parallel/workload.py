@@ -21,9 +21,9 @@ import random
 import time
 from dataclasses import dataclass
 
-from step19_benchmark.loadgen import arrival_times
-from step19_benchmark.metrics import RequestRecord
-from step20_real_model.params import SamplingParams
+from step18_benchmark.loadgen import arrival_times
+from step18_benchmark.metrics import RequestRecord
+from step19_real_model.params import SamplingParams
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""Lesson 16's engine with the CPU fast path: the same Engine, given other parts.
+
+What changes against lesson 16 (`step16_cuda_graph.engine.build_engine`), on a CPU:
+  - model transforms, applied here before the engine is made (each returns a new model):
+    lesson 14's packing, then q|k|v and gate|up fused into one packed matmul each (fused.py),
+    then the packed linears routed through our library op (ops.py) so that a packed model
+    compiles;
+  - the runner is CpuGraphRunner (runner.py): decode buckets called without Dynamo, prompt
+    steps through a dynamic compiled body, a packed LM head;
+  - the sampler's greedy pick is one C pass over the float32 logits (`ops.row_argmax`).
+Where the step cannot be compiled here (a GPU, no C++ compiler, another attention backend)
+this is lesson 16's engine.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from step06_sampler.sampler import Sampler
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step14_batched_forward.packed_linear import pack_linears
+from step15_flash_attention.backends import choose_backend
+from step15_flash_attention.engine import Engine, create_kv_pool, create_scheduler, fit_block_size, scheduler_parts
+from step16_cuda_graph import engine as lesson16
+from step16_cuda_graph.runner import compile_works
+from step16_cuda_graph.cpu.fused import fuse_projections
+from step16_cuda_graph.cpu.ops import route_packed_linears, row_argmax
+from step16_cuda_graph.cpu.runner import CpuGraphRunner
+
+
+class KernelSampler(Sampler):
+    """Lesson 06's sampler with the greedy pick as one C pass over the float32 logits."""
+    argmax = staticmethod(row_argmax)
+
+
+def cpu_fast_path(model: nn.Module) -> nn.Module:
+    """The model transforms of this lesson, in order; `model` is not changed."""
+    return route_packed_linears(fuse_projections(pack_linears(model), kernels=True))
+
+
+def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, attention_backend: str = "auto",
+                 use_graph: bool = True, record_now: bool = True, max_bucket: int | None = None,
+                 compile_mixed: bool = True, direct_calls: bool = True, sampler: Sampler | None = None,
+                 engine_class: type[Engine] = Engine, **parts) -> Engine:
+    """direct_calls=False: every compiled call goes through Dynamo; compile_mixed=False: prompt
+    steps run eagerly; use_graph=False: lesson 15's engine with this lesson's model and sampler.
+    engine_class, parts: as lesson 15's build_engine."""
+    config = config or PagedSchedulerConfig()
+    device = model.model.embed_tokens.weight.device
+    attention = choose_backend(attention_backend, device)
+    sampler = sampler or KernelSampler()
+    if device.type != "cpu" or attention.name != "cpu" or not (use_graph and compile_works()):
+        if not use_graph:
+            return lesson16.build_engine(cpu_fast_path(model), config, attention_backend, use_graph=False,
+                                         pack_weights=False, sampler=sampler, engine_class=engine_class, **parts)
+        return lesson16.build_engine(model, config, attention_backend, True, record_now, max_bucket, sampler=sampler,
+                                     engine_class=engine_class, **parts)
+    model = cpu_fast_path(model)
+    config = fit_block_size(config, attention)
+    pool = create_kv_pool(model, config, attention, extra_blocks=1)
+    scheduler = create_scheduler(config, pool.num_blocks - 1, *scheduler_parts(parts))
+    runner = CpuGraphRunner(model, pool, attention, max_bucket or config.max_num_seqs, pool.num_blocks - 1,
+                            direct_calls, compile_mixed)
+    if record_now:
+        runner.record_seconds = runner.warm_up()
+    return engine_class(model, scheduler, pool, attention, runner, sampler, **parts)

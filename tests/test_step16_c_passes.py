@@ -1,0 +1,69 @@
+"""Lesson 17's C passes against what they replace: elementwise.cpp's q/k norm + RoPE and
+silu(gate) * up against lesson 04's bf16 code, and the C argmax against torch's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from step06_sampler.params import SamplingParams
+from step15_flash_attention import flash_cpu
+
+needs_kernel = pytest.mark.skipif(flash_cpu.load() is None, reason="no C++ compiler for the kernel")
+
+
+def test_elementwise_kernels_round_as_lesson04_does():
+    """elementwise.cpp: q/k RMSNorm + RoPE (with and without Qwen3's q/k norms) and SwiGLU's
+    silu(gate) * up, against lesson 04's bf16 code: the same bf16 values but for float32 sum
+    order (so at most one bf16 step apart, and almost all equal)."""
+    from step03_attention.attention import apply_rope
+    from step04_transformer.layers import RMSNorm, RotaryEmbedding
+    from step16_cuda_graph.cpu import ops
+    if ops.elementwise_library() is None:
+        pytest.skip("elementwise.cpp could not be built (no compiler, or MINIVLLM_KERNEL=0)")
+    g = torch.Generator().manual_seed(0)
+    T, nh, nkv, D, inner = 37, 4, 2, 64, 96
+    qkv = torch.randn(T, (nh + 2 * nkv) * D, generator=g).bfloat16()
+    q_norm, k_norm = RMSNorm(D, 1e-6).bfloat16(), RMSNorm(D, 1e-6).bfloat16()
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+        k_norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+    cos, sin = RotaryEmbedding(D, 1e6, 512)(torch.arange(300, 300 + T))
+
+    def close(got, want):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-5)
+        assert (got == want).float().mean() > 0.99
+
+    with torch.no_grad():
+        q_heads, k_heads = qkv[:, :nh * D].view(T, nh, D), qkv[:, nh * D:(nh + nkv) * D].view(T, nkv, D)
+        q, k = ops.qk_norm_rope(qkv, q_norm.weight, k_norm.weight, cos, sin, nh, nkv, 1e-6)
+        close(q, apply_rope(q_norm(q_heads), cos, sin))
+        close(k, apply_rope(k_norm(k_heads), cos, sin))
+        q, k = ops.qk_norm_rope(qkv, None, None, cos, sin, nh, nkv, 0.0)     # a model without q/k norms
+        close(q, apply_rope(q_heads, cos, sin))
+        close(k, apply_rope(k_heads, cos, sin))
+        gate_up = (3 * torch.randn(T, 2 * inner, generator=g)).bfloat16()
+        close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:])
+
+
+@needs_kernel
+
+
+def test_row_argmax_picks_what_torch_picks():
+    """ops.row_argmax (one C pass, AVX-512 where the CPU has it): the first of equal maxima, the
+    first NaN of a row that has one, all -inf rows, row lengths around the 16-lane width,
+    strided rows; and the engine's sampler uses it."""
+    from step16_cuda_graph.cpu import ops
+    from step16_cuda_graph.cpu.engine import KernelSampler
+    g = torch.Generator().manual_seed(0)
+    for B, V in [(1, 7), (3, 31), (2, 32), (5, 33), (4, 1000), (2, 5003)]:
+        cases = [torch.randn(B, V, generator=g), torch.randint(0, 3, (B, V), generator=g).float(),
+                 torch.full((B, V), float("-inf"))]
+        with_nan = torch.randint(0, 3, (B, V), generator=g).float()
+        with_nan[:, V // 2] = float("nan")
+        with_nan[0, V - 1] = float("nan")
+        cases += [with_nan, torch.randn(B, 2 * V, generator=g)[:, :V]]
+        for x in cases:
+            assert torch.equal(ops.row_argmax(x), x.max(dim=-1).indices), (B, V)
+    logits = torch.randn(3, 50, generator=g)
+    params = [SamplingParams(temperature=0)] * 3
+    assert torch.equal(KernelSampler()(logits, params), logits.argmax(dim=-1))

@@ -1,0 +1,157 @@
+"""Lesson 19: serving metrics on synthetic timestamps, Poisson arrivals, the OpenAI streaming
+client against a local fake server, and a short ladder + online run on the tiny model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+import torch
+from aiohttp import web
+
+from step06_sampler.params import SamplingParams
+from step18_benchmark.loadgen import arrival_times
+from step18_benchmark.metrics import SLO, RequestRecord, percentile_stats, summarize
+from step18_benchmark.openai_client import completions_request
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+def _rec(start, times, end=None, prompt=10, success=True):
+    return RequestRecord(prompt_len=prompt, start=start, token_times=list(times), output_len=len(times),
+                         end=times[-1] if end is None else end, success=success)
+
+
+def test_metrics_follow_vllm_bench_serve_definitions():
+    a = _rec(0.0, [0.1, 0.3, 0.6])             # ttft 100 ms, gaps 200 / 300, e2el 600, tpot (600-100)/2 = 250
+    b = _rec(1.0, [1.5, 1.6])                  # ttft 500, gap 100, e2el 600, tpot 100
+    c = _rec(2.0, [2.2])                       # one token: no TPOT, no ITL
+    failed = _rec(0.0, [5.0], success=False)
+    r = summarize([a, b, c, failed], duration_s=4.0, slo=SLO(ttft_ms=300, tpot_ms=200))
+    assert (r.completed, r.failed) == (3, 1)
+    assert r.total_output_tokens == 6 and r.total_input_tokens == 30
+    assert r.request_throughput == pytest.approx(0.75) and r.output_throughput == pytest.approx(1.5)
+    assert r.ttft.mean == pytest.approx((100 + 500 + 200) / 3) and r.ttft.median == pytest.approx(200)
+    assert r.tpot.mean == pytest.approx(175) and r.tpot.median == pytest.approx(175)
+    assert r.itl.mean == pytest.approx(200) and r.itl.median == pytest.approx(200)
+    assert r.e2el.median == pytest.approx(600)
+    # a: ttft ok, tpot 250 > 200 (fails); b: ttft 500 > 300 (fails); c: meets both -> 1 of 4 s
+    assert r.goodput == pytest.approx(0.25)
+    assert summarize([a], 1.0).goodput is None                  # no SLO, no goodput
+
+
+def test_percentiles_interpolate_linearly_and_empty_is_zero():
+    s = percentile_stats([0.001 * v for v in (10, 20, 30, 40, 50)])
+    assert (s.median, s.p90, s.p99) == pytest.approx((30, 46, 49.6))
+    assert percentile_stats([]).mean == 0
+
+
+def test_poisson_arrivals():
+    assert arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    t = arrival_times(4000, 8.0, seed=1)
+    assert t == arrival_times(4000, 8.0, seed=1) and t[0] == 0 and t == sorted(t)
+    assert t[-1] / (len(t) - 1) == pytest.approx(1 / 8, rel=0.1)     # mean gap 1/rate
+    with pytest.raises(ValueError, match="rate"):
+        arrival_times(2, 0, 0)
+
+
+# ---- the OpenAI client against a fake server ---------------------------------------------------
+def _serve(handler):
+    async def run(fn):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await fn(f"http://127.0.0.1:{port}")
+        finally:
+            await runner.cleanup()
+    return run
+
+
+async def _stream(request, n=5, done=True, usage=True):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(n):
+        await asyncio.sleep(0.01)
+        await resp.write(f"data: {json.dumps({'choices': [{'text': f't{i}'}]})}\n\n".encode())
+    if usage:
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': n}})}\n\n".encode())
+    if done:
+        await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def _request(base):
+    import aiohttp
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await completions_request(s, base, "m", [1, 2, 3], 5, prompt_len=3)
+    return go()
+
+
+def test_client_times_a_normal_stream():
+    async def normal(request):
+        return await _stream(request)
+    rec = asyncio.run(_serve(normal)(_request))
+    assert rec.success and rec.output_len == 5 and len(rec.token_times) == 5
+    assert rec.ttft > 0 and rec.token_times == sorted(rec.token_times) and rec.end >= rec.token_times[-1]
+
+
+def test_client_reports_failures_without_raising():
+    async def bad(request):
+        return web.json_response({"error": {"message": "bad prompt"}}, status=400)
+    rec = asyncio.run(_serve(bad)(_request))
+    assert not rec.success and "400" in rec.error and "bad prompt" in rec.error
+    async def no_done(request):
+        return await _stream(request, done=False)
+    rec = asyncio.run(_serve(no_done)(_request))
+    assert not rec.success and "DONE" in rec.error
+
+
+# ---- a short ladder and online run, end to end --------------------------------------------------
+def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_path):
+    from step04_transformer.loader import load_model
+    from step16_cuda_graph.cpu.engine import build_engine
+    from step18_benchmark import plots
+    from step18_benchmark.frontend import AsyncEngine
+    from step18_benchmark.ladder import EngineSetup, Workload
+    from step18_benchmark.loadgen import Request, engine_sender, sweep
+    from step18_benchmark.run import ladder, print_table
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    work = Workload("tiny", prompts, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 4)
+    setup = EngineSetup(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_bytes=2**22, block_size=4)
+    results = ladder(tiny_qwen3_dir, torch.float32, work, setup, ["hf", "07", "08", "09", "13", "14", "17"],
+                     {"07": 2}, [2, 4], tp=2)
+    assert [r.output_tokens for r in results] == [24, 12, 24, 24, 24, 24, 24]
+    assert results[-1].name == "17 CPU fast path"                  # the CPU-kernel lesson is its own rung
+    assert results[1].requests == 2 and results[1].of == 4
+    print_table(results, "tiny")
+    rows = [r.to_dict() for r in results]
+    fig = plots.ladder_figure(rows, "tiny")             # the bars are the measured figures, in order
+    ax = fig.axes[0]
+    assert [b.get_height() for b in ax.patches] == [r["output_tps"] for r in rows]
+    assert [label.get_text() for label in ax.get_xticklabels()] == [r["name"] for r in rows]
+    assert [bool(b.get_hatch()) for b in ax.patches] == [r["requests"] < r["of"] for r in rows]
+    plots.plt.close(fig)
+    png = plots.plt.imread(plots.ladder_plot(rows, "tiny", tmp_path / "ladder.png"))   # a PNG that decodes
+    width, height = plots.LADDER_SIZE
+    assert png.shape[:2] == (height * plots.DPI, width * plots.DPI)
+
+    front = AsyncEngine(build_engine(load_model(tiny_qwen3_dir, torch.float32), setup.paged(), use_graph=False),
+                        threaded=False)              # as run.py: the engine loop in this thread
+    try:
+        runs = sweep(engine_sender(front), [Request(p, 6) for p in prompts], [math.inf, 50.0])
+    finally:
+        front.shutdown()
+    online = [{"rate": rate, "result": res.to_dict(), "records": [vars(r) for r in recs]} for rate, res, recs in runs]
+    assert all(o["result"]["completed"] == 4 and o["result"]["total_output_tokens"] == 24 for o in online)
+    plots.latency_plot({"tiny": online}, tmp_path / "latency.png")
+    (tmp_path / "results.json").write_text(json.dumps({"ladder": rows, "online": online}, default=str))
+    assert json.loads((tmp_path / "results.json").read_text())["online"][1]["rate"] == 50.0
