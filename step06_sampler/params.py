@@ -88,7 +88,7 @@ class SamplingParams:
         Returns "length" (max_tokens reached), "stop" (EOS unless ignore_eos, or a stop token),
         or None (keep going). `eos_token_id` may be one id or several (some checkpoints list
         more than one). Like vLLM, the length cap is checked first. The names are the
-        `finish_reason` values of the OpenAI API that lesson 21 serves.
+        `finish_reason` values of the OpenAI API that lesson 20 serves.
         """
         if num_generated >= self.max_tokens:
             return "length"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from minivllm_support.cli import base_parser
-from minivllm_support.lesson import start_lesson
+from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import compare, format_ratio
 from step04_transformer.loader import load_model

@@ -13,7 +13,7 @@ from step14_batched_forward.packed_linear import PackedLinear, count_modules, pa
 
 @dataclass
 class EngineStats:
-    """A snapshot of what lesson 21 will serve as Prometheus metrics."""
+    """A snapshot of what lesson 20 will serve as Prometheus metrics."""
     num_running: int
     num_waiting: int
     kv_blocks_used: int

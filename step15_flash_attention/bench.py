@@ -84,6 +84,7 @@ def linear_rates(rows: int = 512) -> None:
 
 def kernel_vs_sdpa(length: int, reps: int, dtype: torch.dtype = torch.bfloat16) -> None:
     """One layer: 16 query heads, 8 KV heads, head_dim 128, one causal sequence, in `dtype`."""
+    from step15_flash_attention import amx_prefill
     from step15_flash_attention.flash_cpu import flash_attention_cpu
     Hq, Hkv, D, bs = 16, 8, 128, 16
     g = torch.Generator().manual_seed(0)
@@ -98,9 +99,14 @@ def kernel_vs_sdpa(length: int, reps: int, dtype: torch.dtype = torch.bfloat16) 
     k, v, qh = k.contiguous()[None], v.contiguous()[None], q.transpose(0, 1).contiguous()[None]
     flops = 4 * Hq * D * length * length / 2                        # QK^T and PV, causal half
     results = {}
-    for name, fn in [("ours (paged, in place)", lambda: flash_attention_cpu(q, k_pool, v_pool, cu, lens, tables)),
-                     ("torch SDPA is_causal (contiguous K/V)",
-                      lambda: F.scaled_dot_product_attention(qh, k, v, is_causal=True))]:
+    variants = [("ours (paged, in place)", lambda: flash_attention_cpu(q, k_pool, v_pool, cu, lens, tables)),
+                ("torch SDPA is_causal (contiguous K/V)",
+                 lambda: F.scaled_dot_product_attention(qh, k, v, is_causal=True))]
+    if dtype == torch.bfloat16 and amx_prefill.amx_prefill_fits(q, k_pool):
+        amx_out = torch.empty_like(q)
+        variants.append(("ours on AMX tiles (amx_prefill.cpp)",
+                         lambda: amx_prefill.amx_prefill(q, k_pool, v_pool, cu, lens, tables, amx_out) or amx_out))
+    for name, fn in variants:
         fn()                                                        # warm-up
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -108,9 +114,14 @@ def kernel_vs_sdpa(length: int, reps: int, dtype: torch.dtype = torch.bfloat16) 
         secs = (time.perf_counter() - t0) / reps
         results[name] = (secs, out)
         print(f"{name:40s} {secs:7.3f} s per layer  {flops / secs / 1e9:6.1f} GFLOP/s")
-    (a, oa), (b, ob) = results.values()
+    (a, oa), (b, ob) = list(results.values())[:2]
     diff = (oa.float() - ob[0].transpose(0, 1).float()).abs().max().item()
     print(f"ours / SDPA time: {a / b:.2f} (below 1 = ours faster), max |difference| {diff:.4f} ({dtype})")
+    if len(results) == 3:
+        c, oc = results["ours on AMX tiles (amx_prefill.cpp)"]
+        print(f"AMX tiles / ours time: {c / a:.2f}, max |difference| {(oc.float() - oa.float()).abs().max().item():.4f}")
+    elif dtype == torch.bfloat16:
+        print("AMX tiles: not on this CPU (amx_prefill.cpp needs AMX; lesson 16's fast path uses SDPA instead)")
 
 
 def one_prefill(engine_name: str, length: int, budget: int) -> dict:

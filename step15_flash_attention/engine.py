@@ -102,7 +102,7 @@ class Engine(LLMEngine):
         return sampled
 
     def close(self) -> None:
-        """Release what the runner holds outside this process (lesson 18's workers); idempotent."""
+        """Release what the runner holds outside this process (lesson 17's workers); idempotent."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

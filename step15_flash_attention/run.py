@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm_support.cli import base_parser, identity_line
-from minivllm_support.lesson import start_lesson
+from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import Timing, compare, format_ratio
 from step06_sampler.params import SamplingParams

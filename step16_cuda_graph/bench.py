@@ -8,10 +8,10 @@
    then the Qwen3-0.6B shape (random weights, bf16): eager vs graph on CUDA.
 2. latency: one decode step (engine.step, everything included) of the Qwen3-0.6B shape, bf16,
    at each batch size, eager (lesson 16's build_engine with use_graph=False: lesson 15's
-   engine, Triton) vs graph (lesson 16), as lesson 17's `bench.py step` does on a CPU; then the
+   engine, Triton) vs graph (lesson 16), as lesson 16's fast-path `bench.py step` does on a CPU; then the
    forward alone on the runner's static buffers, eager (`runner.decode`) vs one graph replay.
 3. --profile B: the GPU kernels of one bucket-B forward, eager and replayed (torch.profiler).
-The step-timing helpers (fill, step_turns, make_engine) are minivllm_support/workloads.py's.
+The step-timing helpers (fill, step_turns, make_engine) are in decode_timing.py.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
-from minivllm_support.workloads import fill, make_engine, random_qwen3_06b, step_turns
+from minivllm_support.workloads import random_qwen3_06b
+from step16_cuda_graph.decode_timing import fill, make_engine, step_turns
 from step15_flash_attention import engine as lesson15
 from step16_cuda_graph.engine import build_engine
 

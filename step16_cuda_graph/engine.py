@@ -5,7 +5,7 @@ What changes against lesson 15 (`step15_flash_attention.engine.build_engine`):
   - the pool has one block more than the block manager hands out: the scratch block, where
     padded rows write their K/V, so no pad ever touches a live sequence's K/V;
   - on a CPU the linears stay unpacked when the step is compiled: inductor cannot take
-    oneDNN's packed weights as graph inputs. Lesson 17 routes them through a custom op.
+    oneDNN's packed weights as graph inputs. Lesson 16's fast path routes them through a custom op.
 """
 from __future__ import annotations
 

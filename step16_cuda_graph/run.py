@@ -11,7 +11,7 @@ on static buffers: a CUDA graph on a GPU, the layer body compiled by torch.compi
 3. one decode step at batch 1 and 8 (context ~360 tokens), the engines taking turns: eager
    with the weights the recorded step uses (on a CPU lesson 04's unpacked linears: inductor
    cannot take oneDNN's packed weights, see engine.py), lesson 16's recorded step, and on a CPU
-   lesson 15 as it is (eager, lesson 14's packed weights: what lesson 17 gets back).
+   lesson 15 as it is (eager, lesson 14's packed weights: what lesson 16's fast path gets back).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from minivllm_support.cli import base_parser, identity_line
-from minivllm_support.lesson import start_lesson
+from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
-from minivllm_support.workloads import step_turns
+from step16_cuda_graph.decode_timing import step_turns
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig

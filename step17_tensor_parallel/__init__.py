@@ -1,1 +1,1 @@
-"""Lesson 18: tensor parallelism with real processes (gloo on CPU, NCCL on CUDA)."""
+"""Lesson 17: tensor parallelism with real processes (gloo on CPU, NCCL on CUDA)."""

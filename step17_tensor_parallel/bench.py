@@ -1,4 +1,4 @@
-"""Lesson 18 measured on the Qwen3-0.6B shape (random weights, bf16).
+"""Lesson 17 measured on the Qwen3-0.6B shape (random weights, bf16).
 
     python step17_tensor_parallel/bench.py allreduce   # one all-reduce of [rows, 1024] bf16 between
                                                         # 2 processes: gloo vs shared memory
@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 from minivllm_support.cli import machine
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from minivllm_support.workloads import random_qwen3_06b
-from minivllm_support.workloads import fill, time_steps
+from minivllm_support.workloads import time_steps
+from step16_cuda_graph.decode_timing import fill
 from step17_tensor_parallel import parallel
 from step17_tensor_parallel.engine import TPEngine
 from step17_tensor_parallel.shm_allreduce import ShmAllReduce, create_file
@@ -110,7 +111,7 @@ def run_step(batches: list[int], context: int, rounds: int) -> None:
     """A process holds one TP>1 engine at a time (one default process group), so each TP=2
     variant takes turns with the same TP=1 engine, then makes room for the next."""
     print(f"one decode step, context ~{context} tokens; each TP=2 engine takes turns with TP=1, {rounds} rounds, "
-          f"best round; all eager (lessons 16-17's compiled step is off under TP)")
+          f"best round; all eager (lesson 16's compiled step is off under TP)")
     memory_shown = False
     for b in batches:
         steps = max(4, 32 // b)

@@ -11,7 +11,7 @@
 Why a socket and not the process group: between steps a worker may wait for minutes (an idle
 server); a collective would time out, a socket read waits for ever and ends (EOFError) the
 moment rank 0's process is gone, so no worker outlives its engine, on any machine. Why not
-lesson 18's first version, a multiprocessing pipe: a pipe cannot leave the machine. The
+lesson 17's first version, a multiprocessing pipe: a pipe cannot leave the machine. The
 connection object is the same (`multiprocessing.connection.Connection`), so the step code did
 not change, and one machine uses the same path as many.
 """

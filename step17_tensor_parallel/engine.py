@@ -1,4 +1,4 @@
-"""Lesson 17's engine over `tensor_parallel_size` processes.
+"""Lesson 16's fast-path engine over `tensor_parallel_size` processes.
 
     user process = rank 0                              ranks 1 .. tp-1 (spawned by rank 0, by a
     scheduler, block manager, sequences, sampler       headless node, or by torchrun: launch.py)
@@ -38,7 +38,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.packed_linear import pack_linears
 from step15_flash_attention.backends import choose_backend
 from step15_flash_attention.engine import Engine, ModelRunner, create_kv_pool, create_scheduler, fit_block_size
-from step16_cuda_graph.cpu import engine as lesson17
+from step16_cuda_graph.cpu import engine as fast_path
 from step17_tensor_parallel import control, parallel
 from step17_tensor_parallel.launch import NodeLaunch, check_torchrun_world, placement, placement_table
 from step17_tensor_parallel.loader import load_tp_model
@@ -104,7 +104,7 @@ class TPEngine(Engine):
                  timeout_s: float = 60.0, all_reduce: str = "auto", pack_weights: bool = True,
                  output_processor=None, launch: NodeLaunch | None = None, **kwargs):
         """model: a checkpoint folder (each rank loads its own slices of it). scheduler: the
-        engine's PagedSchedulerConfig. kwargs: lesson 17's build_engine options (tp == 1 only:
+        engine's PagedSchedulerConfig. kwargs: lesson 16's fast-path build_engine options (tp == 1 only:
         use_graph, max_bucket, ...).
 
         threads_per_rank: torch threads of each rank (default: the cores shared out evenly;
@@ -147,7 +147,7 @@ class TPEngine(Engine):
         if tp == 1:
             full = load_model(folder, dtype)
             self.rank_memory = [{"weight_bytes": model_bytes(full)}]
-            one = lesson17.build_engine(full, scheduler, **kwargs)        # adopt its parts
+            one = fast_path.build_engine(full, scheduler, **kwargs)        # adopt its parts
             super().__init__(one.model, one.scheduler, one.kv_pool, one.attention, one.runner, one.sampler,
                              output_processor=output_processor)
             self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
@@ -190,7 +190,7 @@ class TPEngine(Engine):
             config = fit_block_size(scheduler or PagedSchedulerConfig(), attention)
             pool = create_kv_pool(shard, config, attention)
             super().__init__(shard, create_scheduler(config, pool.num_blocks), pool, attention,
-                             TPRunner(shard, self.conns), lesson17.KernelSampler(), output_processor=output_processor)
+                             TPRunner(shard, self.conns), fast_path.KernelSampler(), output_processor=output_processor)
             self.rank_memory[0]["kv_bytes"] = self.kv_pool.nbytes
             for conn in self.conns:
                 conn.send((self.kv_pool.num_blocks, self.kv_pool.block_size, self.attention.name))

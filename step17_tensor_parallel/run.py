@@ -1,4 +1,4 @@
-"""Lesson 18: tensor parallelism. The model split over several processes that talk through
+"""Lesson 17: tensor parallelism. The model split over several processes that talk through
 torch.distributed (gloo on a CPU) and a shared-memory all-reduce.
 
 1. how the model splits: heads, KV heads, MLP columns and vocabulary rows per rank, and the

@@ -7,7 +7,7 @@
     ws.report()                              what the workers say: tracebacks, exit codes, lost nodes
     ws.release()                             stop them all (also run by a finalizer if you forget)
 
-Lesson 18's TPEngine starts its ranks through it, and so do the engines of the advanced lessons
+Lesson 17's TPEngine starts its ranks through it, and so do the engines of the advanced lessons
 that split a model over processes: the rendezvous, the flag check, the fault report and the
 shutdown are written once, and every engine works across machines the same way.
 """

@@ -1,1 +1,1 @@
-"""Lesson 19: the benchmark: the optimisation ladder offline, and online serving metrics."""
+"""Lesson 18: the benchmark: the optimisation ladder offline, and online serving metrics."""

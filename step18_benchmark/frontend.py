@@ -1,6 +1,6 @@
 """An asynchronous front end: the engine loop in its own thread, one async token stream per request.
 
-Lessons 09-18 drive the engine from one loop: add every request, then `step()` until done. A
+Lessons 09-17 drive the engine from one loop: add every request, then `step()` until done. A
 server cannot work that way: requests arrive while others are running, each client wants
 its tokens as they come, and some clients hang up. vLLM's AsyncLLM puts the engine loop
 apart from the request handlers; this is the same shape on threads:
@@ -65,7 +65,7 @@ def abort(engine, seq: Sequence) -> None:
 class AsyncEngine:
     def __init__(self, engine, threaded: bool = True, policy: FaultPolicy | None = None,
                  on_dead: Callable[[EngineDead], None] | None = None):
-        """engine: any engine of lessons 09-18 (its step() returns the sequences that got a token).
+        """engine: any engine of lessons 09-17 (its step() returns the sequences that got a token).
 
         threaded=False starts no engine thread: the caller drives the engine from its own
         (main) thread with `drive(fn)`, which runs `fn` (the event loop) in a helper thread.
@@ -201,7 +201,7 @@ class AsyncEngine:
         if not isinstance(error, Exception):
             why = f"interrupted ({type(error).__name__})"
         elif getattr(self.engine, "closed", False):
-            why = "the engine closed itself (lesson 18: a worker failed)"
+            why = "the engine closed itself (lesson 17: a worker failed)"
         elif problems := block_problems(self.engine):
             why = "the block manager's books do not balance: " + "; ".join(problems[:3])
         elif self.policy.record():

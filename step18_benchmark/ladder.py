@@ -166,7 +166,7 @@ def engine_rungs(model, setup: EngineSetup) -> dict[str, Callable[[], object]]:
     from step14_batched_forward.engine import BatchedEngine
     from step15_flash_attention import engine as lesson15
     from step16_cuda_graph import engine as lesson16
-    from step16_cuda_graph.cpu import engine as lesson17
+    from step16_cuda_graph.cpu import engine as fast_path
     kv_per_token = model.config.kv_bytes_per_token
     return {
         "09": lambda: LLMEngine(model, setup.plain()),
@@ -177,5 +177,5 @@ def engine_rungs(model, setup: EngineSetup) -> dict[str, Callable[[], object]]:
         "14": lambda: BatchedEngine(model, setup.paged()),
         "15": lambda: lesson15.build_engine(model, setup.paged()),
         "16": lambda: lesson16.build_engine(model, setup.paged()),
-        "17": lambda: lesson17.build_engine(model, setup.paged()),
+        "16+": lambda: fast_path.build_engine(model, setup.paged()),
     }

@@ -7,7 +7,7 @@
                      a queue; its record keeps when it was sent and when each token arrived
     a sender         where requests go: this process's engine through the async front end
                      (`engine_sender`), or any OpenAI-compatible server (`http_sender`), so
-                     lesson 21's server and a real vLLM are measured by the same code
+                     lesson 20's server and a real vLLM are measured by the same code
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A streaming client for any OpenAI-compatible server (lesson 21's, vLLM's): one request, timed
+"""A streaming client for any OpenAI-compatible server (lesson 20's, vLLM's): one request, timed
 chunk by chunk, the way `vllm bench serve` times it.
 
 With "stream": true the server answers with Server-Sent Events, one line per event:

@@ -1,11 +1,11 @@
-"""Lesson 19: the benchmark. The whole optimisation ladder and online serving metrics, measured
+"""Lesson 18: the benchmark. The whole optimisation ladder and online serving metrics, measured
 in one run on this machine.
 
     python step18_benchmark/run.py              # short (< 2 min): the embedded model, a chat workload
                                                 # with a shared system prompt; a few rungs; a short
                                                 # online run at three request rates
     python step18_benchmark/run.py --full       # + the Qwen3-0.6B-shape workload through every rung,
-                                                # lesson 18 at TP=2, vLLM-CPU where `make compare-vllm`
+                                                # lesson 17 at TP=2, vLLM-CPU where `make compare-vllm`
                                                 # built it; the online sweep on it (tens of minutes)
     python step18_benchmark/run.py --base-url http://127.0.0.1:8000   # online only, any OpenAI server
 
@@ -62,8 +62,8 @@ def random_workload(n: int, seed: int) -> Workload:
     return Workload("random", prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs])
 
 
-# Lessons 15-17 build the same Engine class from different parts: name the rung by its lesson.
-RUNG_NAMES = {"15": "flash attention", "16": "graph capture", "17": "CPU fast path"}
+# Lessons 15-16 build the same Engine class from different parts: name the rung by its lesson.
+RUNG_NAMES = {"15": "flash attention", "16": "graph capture", "16+": "CPU fast path"}
 
 
 def ladder(folder: Path, dtype, work: Workload, setup_: EngineSetup, rungs: list[str], limits: dict[str, int],
@@ -92,7 +92,7 @@ def ladder(folder: Path, dtype, work: Workload, setup_: EngineSetup, rungs: list
         part = work.prefix(limits.get("08"))
         add("08 static batch", part, *run_static(model, part, eos, setup_.max_num_seqs))
     builders = engine_rungs(model, setup_)
-    for name in ("09", "10", "11", "12", "13", "14", "15", "16", "17"):
+    for name in ("09", "10", "11", "12", "13", "14", "15", "16", "16+"):
         if name in rungs:
             engine = builders[name]()
             r = run_engine(engine, work.prefix(limits.get(name)))
@@ -100,12 +100,12 @@ def ladder(folder: Path, dtype, work: Workload, setup_: EngineSetup, rungs: list
                 prefill_seconds=r.prefill_seconds, peak_kv_blocks=r.peak_kv_blocks, preemptions=r.preemptions,
                 prefix_hit_tokens=r.prefix_hit_tokens)
             del engine
-    if "18" in rungs:
+    if "17" in rungs:
         from step17_tensor_parallel.engine import TPEngine
         with TPEngine(folder, setup_.paged(tp), tensor_parallel_size=tp, dtype=dtype, use_graph=False) as engine:
-            part = work.prefix(limits.get("18"))
+            part = work.prefix(limits.get("17"))
             r = run_engine(engine, part)
-            add(f"18 TP={tp}", part, r.seconds, r.output_tokens, prefill_seconds=r.prefill_seconds,
+            add(f"17 TP={tp}", part, r.seconds, r.output_tokens, prefill_seconds=r.prefill_seconds,
                 peak_kv_blocks=r.peak_kv_blocks, preemptions=r.preemptions, prefix_hit_tokens=r.prefix_hit_tokens)
         torch.set_num_threads(os.cpu_count() or 1)
     return results
@@ -155,7 +155,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", nargs="+", choices=["chat", "random"], default=None,
                    help="ladders to run (default: chat; with --full also random)")
-    p.add_argument("--rungs", nargs="+", default=None, help="only these rungs (hf 07 08 ... 18)")
+    p.add_argument("--rungs", nargs="+", default=None, help="only these rungs (hf 07 08 ... 16 16+ 17 vllm)")
     p.add_argument("--no-online", action="store_true", help="skip the online sweep")
     p.add_argument("--online-only", action="store_true", help="skip the ladders")
     args = p.parse_args()
@@ -180,7 +180,7 @@ def main() -> None:
         return
     setup_ = EngineSetup(max_num_seqs=16, max_num_batched_tokens=512, kv_cache_bytes=512 * 2**20)
     short = ["hf", "07", "08", "09", "14", "15"]
-    rungs = short if not args.full else ["hf", "07", "08", "09", "10", "11", "12", "13", "14", "15", "16", "17", "18"]
+    rungs = short if not args.full else ["hf", "07", "08", "09", "10", "11", "12", "13", "14", "15", "16", "16+", "17"]
     rungs = [r for r in rungs if args.rungs is None or r in args.rungs]
     if "chat" in workloads:
         print(f"\nladder on the {chat.name} workload ({len(chat)} requests, shared system prompt, max_tokens 64, EOS on)")
@@ -198,9 +198,9 @@ def main() -> None:
     rates = args.rates or ([math.inf, 4, 2, 1] if args.full else [math.inf, 4, 2])
     front = AsyncEngine(build_engine(model, setup_.paged(), use_graph=args.full), threaded=False)
     try:
-        report["online_name"] = "lesson 17"
+        report["online_name"] = "lesson 16's fast path"
         report["online"] = online(engine_sender(front), chat, rates, slo,
-                                  f"online, lesson 17's engine ({'compiled' if args.full else 'eager'}) "
+                                  f"online, lesson 16's fast-path engine ({'compiled' if args.full else 'eager'}) "
                                   f"behind the async front end")
     finally:
         front.shutdown()
@@ -220,7 +220,7 @@ def full_ladder(args, report: dict, out: Path) -> None:
     limits = {"hf": 8, "07": 2, "08": 8, "09": 8, "10": 8, "11": 8, "12": 8, "13": 8}
     print(f"\nladder on the Qwen3-0.6B-shape workload ({len(work)} random prompts of 64-512 tokens, "
           f"64-256 tokens out, ignore_eos); prefixes: {limits}")
-    rungs = [r for r in ("hf", "07", "08", "09", "10", "11", "12", "13", "14", "15", "16", "17", "18")
+    rungs = [r for r in ("hf", "07", "08", "09", "10", "11", "12", "13", "14", "15", "16", "16+", "17")
              if args.rungs is None or r in args.rungs]
     results = ladder(random_qwen3_06b(), torch.bfloat16, work, setup_, rungs, limits, [4, 8], tp=2)
     v = vllm("workload", args.seed) if (args.requests or 64) == 64 and (args.rungs is None or "vllm" in args.rungs) else None

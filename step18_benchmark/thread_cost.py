@@ -6,7 +6,7 @@ thread and in a new thread, as the async front end (frontend.py) runs it.
 Two measurements, the two variants taking turns after a warm-up (minivllm_support's
 `compare`); each "new thread" run starts a fresh thread:
   - one bf16 linear (64 x 576 -> 1536, a SmolLM2 MLP shape), oneDNN's matmul;
-  - lesson 17's engine on 8 requests x 64 tokens (the embedded model, compiled decode steps).
+  - lesson 16's fast-path engine on 8 requests x 64 tokens (the embedded model, compiled decode steps).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def main() -> None:
         return engine.num_steps - steps
     t = compare({"main": generate, "thread": lambda: in_new_thread(generate)}, repeats=3)
     steps = t["main"].result
-    print(f"lesson 17, 8 requests x 64 tokens ({steps} steps): main thread {t['main'].median / steps * 1e3:.1f} ms "
+    print(f"lesson 16's fast path, 8 requests x 64 tokens ({steps} steps): main thread {t['main'].median / steps * 1e3:.1f} ms "
           f"a step, new thread {t['thread'].median / steps * 1e3:.1f} ms a step "
           f"({format_ratio(t['thread'], t['main'], 'slower')})")
 

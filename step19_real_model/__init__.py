@@ -1,1 +1,1 @@
-"""Lesson 20: vLLM's offline API (LLM, SamplingParams, RequestOutput) on a real checkpoint."""
+"""Lesson 19: vLLM's offline API (LLM, SamplingParams, RequestOutput) on a real checkpoint."""

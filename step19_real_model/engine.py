@@ -1,7 +1,7 @@
-"""The engine the `LLM` API drives: lesson 18's (lesson 17's when tensor_parallel_size is 1),
+"""The engine the `LLM` API drives: lesson 17's (lesson 16's fast-path when tensor_parallel_size is 1),
 plus log-probabilities.
 
-What changes against lesson 18: a request whose params ask for `logprobs` gets, for every
+What changes against lesson 17: a request whose params ask for `logprobs` gets, for every
 generated token, a dict {token id: Logprob} on `seq.logprobs`: the chosen token and the top
 `logprobs` tokens of the model's distribution. As in vLLM (its default "raw_logprobs"), they
 come from the logits as the model produced them, before temperature and the top-k/top-p/min-p
@@ -51,7 +51,7 @@ def record_logprobs(logits: Tensor, seqs: list[Sequence]) -> None:
 
 
 class LogprobsEngine(TPEngine):
-    """Lesson 18's engine with logprobs: TPEngine(folder, config, tensor_parallel_size=...)
+    """Lesson 17's engine with logprobs: TPEngine(folder, config, tensor_parallel_size=...)
     whose output processor is record_step_logprobs."""
 
     def __init__(self, *args, **kwargs):

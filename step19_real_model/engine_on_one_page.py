@@ -2,8 +2,8 @@
 
 Read it first, as a map of where the lessons are going, or last, to see the engine at once.
 Each part is imported from the lesson that teaches it; nothing here is new except the order.
-`build_engine` makes the same engine as lesson 17's build_engine (tested token for token), and
-`OnePageEngine.step` is lesson 09's step as the parts of lessons 12-17 run it.
+`build_engine` makes the same engine as lesson 16's fast-path build_engine (tested token for token), and
+`OnePageEngine.step` is lesson 09's step as the parts of lessons 12-16 run it.
 
     build_engine(model)                                  taught in
       model transforms: pack linears, fuse q|k|v and     14 (packing), 17 (fusion, library ops)
@@ -45,7 +45,7 @@ from step15_flash_attention.attention import FlashPagedAttention          # less
 from step15_flash_attention.backends import AttentionBackend, choose_backend
 from step15_flash_attention.engine import ModelRunner
 from step16_cuda_graph.runner import GraphRunner, compile_works           # lesson 16
-from step16_cuda_graph.cpu.engine import KernelSampler, cpu_fast_path        # lesson 17
+from step16_cuda_graph.cpu.engine import KernelSampler, cpu_fast_path        # lesson 16's fast path
 from step16_cuda_graph.cpu.runner import CpuGraphRunner
 
 
@@ -113,7 +113,7 @@ class OnePageEngine:
 
 def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, attention_backend: str = "auto",
                  use_graph: bool = True) -> OnePageEngine:
-    """The final single-process engine from its parts (lesson 17's, written out)."""
+    """The final single-process engine from its parts (lesson 16's fast-path, written out)."""
     config = config or PagedSchedulerConfig()
     device = model.model.embed_tokens.weight.device
     attention = choose_backend(attention_backend, device)                                     # 15

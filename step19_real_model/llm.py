@@ -11,7 +11,7 @@
     tokens --IncrementalDetokenizer--> text, stop strings --> RequestOutput per prompt
 
 A stop string is found in the text, above the engine, so the LLM ends that request itself:
-lesson 19's abort() frees its KV blocks at once. Bad input fails before anything reaches the
+lesson 18's abort() frees its KV blocks at once. Bad input fails before anything reaches the
 engine, with the prompt's index in the message; an error or Ctrl-C during the run aborts what
 is still running, so the engine is empty again afterwards.
 """
@@ -55,7 +55,7 @@ class LLM:
                  tensor_parallel_size: int = 1, enforce_eager: bool = False, launch=None):
         """model: a local Hugging Face folder; None finds one (MINIVLLM_MODEL, a cached Qwen3-0.6B,
         else the embedded SmolLM2-135M-Instruct). Weights never come from a hub. launch: where
-        the tensor-parallel ranks run (lesson 18's launch.NodeLaunch; default: this machine)."""
+        the tensor-parallel ranks run (lesson 17's launch.NodeLaunch; default: this machine)."""
         if isinstance(dtype, str) and dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]} or a torch dtype, got {dtype!r}")
         self.dtype = auto_dtype() if dtype == "auto" else DTYPES[dtype] if isinstance(dtype, str) else dtype

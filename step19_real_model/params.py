@@ -52,7 +52,7 @@ class SamplingParams(EngineSamplingParams):
 
     def child(self, i: int) -> "SamplingParams":
         """The engine request for completion i of n: n=1, seed + i. Always a new object, so
-        every engine request has params of its own (lesson 21 finds requests by them)."""
+        every engine request has params of its own (lesson 20 finds requests by them)."""
         if not 0 <= i < self.n:
             raise ValueError(f"completion index {i} is outside [0, n={self.n})")
         return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)

@@ -1,4 +1,4 @@
-"""Lesson 20: vLLM's offline API on the real checkpoint.
+"""Lesson 19: vLLM's offline API on the real checkpoint.
 
     python step19_real_model/run.py                 # the embedded SmolLM2 (or --model FOLDER)
     python step19_real_model/run.py --dtype fp32 --threads 2

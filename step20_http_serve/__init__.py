@@ -1,1 +1,1 @@
-"""Lesson 21: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over lesson 20's LLM."""
+"""Lesson 20: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over lesson 19's LLM."""

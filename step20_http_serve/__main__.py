@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None, build=build_server) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="skip compiling the decode step "
                    "(fast start-up, slower decoding)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over "
-                   "(lesson 18); with --nnodes > 1 the other nodes run `python -m step17_tensor_parallel.node`")
+                   "(lesson 17); with --nnodes > 1 the other nodes run `python -m step17_tensor_parallel.node`")
     add_launch_flags(p)
     p.add_argument("--max-body-mib", type=int, default=16, help="largest request body accepted")
     p.add_argument("--log-level", default="info")

@@ -35,7 +35,7 @@ CLIENT_CLOSED = 499      # nginx's code for "the client went away"; nobody reads
 def build_app(llm: AsyncLLM, max_body_bytes: int = 16 * 2**20, completion_request: type = CompletionRequest,
               chat_request: type = ChatCompletionRequest) -> FastAPI:
     """The app. A later lesson passes its own request classes (advanced lesson 02: penalties)."""
-    app = FastAPI(title="mini-vllm", summary="lesson 21: an OpenAI-compatible server")
+    app = FastAPI(title="mini-vllm", summary="lesson 20: an OpenAI-compatible server")
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -127,7 +127,7 @@ def _parse(model_cls, body: dict, llm: AsyncLLM):
 def _params(req, max_tokens: int, logprobs: int | None):
     try:
         return req.sampling_params(max_tokens, logprobs)
-    except ValueError as e:                        # lesson 20's own checks, should ours miss one
+    except ValueError as e:                        # lesson 19's own checks, should ours miss one
         raise _engine_error(e) from e
 
 

@@ -1,10 +1,10 @@
 """The async layer between HTTP handlers and the engine thread: text in, text deltas out.
 
-Lesson 19's AsyncEngine streams token ids. A server needs more per request:
+Lesson 18's AsyncEngine streams token ids. A server needs more per request:
 
     prompt text --tokenizer--> ids --AsyncEngine--> token events (+ their logprobs)
                                                          |
-    choice i of n  <-- Delta(text, finish_reason) <-- IncrementalDetokenizer (lesson 20):
+    choice i of n  <-- Delta(text, finish_reason) <-- IncrementalDetokenizer (lesson 19):
                                                        safe text only, stop strings
 
   - n > 1 is n engine requests (params.child(i): seed + i), whose streams are merged into one
@@ -42,14 +42,14 @@ class Delta:
 
 
 class LogprobFrontEnd(AsyncEngine):
-    """Lesson 19's front end, whose stream also hands out each token's logprobs entry.
+    """Lesson 18's front end, whose stream also hands out each token's logprobs entry.
 
-    The engine appends `seq.logprobs[k]` (lesson 20) before the k-th token's event is posted,
+    The engine appends `seq.logprobs[k]` (lesson 19) before the k-th token's event is posted,
     so the consumer can read it from the Sequence; all this subclass adds is a way to find the
     Sequence: the request record of each "add", keyed by its (per-request) params object."""
 
     def __init__(self, engine, threaded: bool = True, **front_options):
-        self._adds: dict[int, object] = {}       # id(params) -> lesson 19's request record
+        self._adds: dict[int, object] = {}       # id(params) -> lesson 18's request record
         super().__init__(engine, threaded, **front_options)
 
     def _post(self, kind: str, req) -> None:
@@ -77,13 +77,13 @@ class LogprobFrontEnd(AsyncEngine):
 
 
 class AsyncLLM:
-    """Lesson 20's LLM (tokenizer, chat template, engine) served to many concurrent callers."""
+    """Lesson 19's LLM (tokenizer, chat template, engine) served to many concurrent callers."""
 
     def __init__(self, llm, served_model_name: str | None = None, threaded: bool = True,
                  policy: FaultPolicy | None = None):
         """threaded=False: the engine loop runs where `serve` calls `front.drive` (the main
-        thread), uvicorn in a helper thread (lesson 19's thread_cost.py says why).
-        policy: when step faults stop being isolated (lesson 19's faults.py)."""
+        thread), uvicorn in a helper thread (lesson 18's thread_cost.py says why).
+        policy: when step faults stop being isolated (lesson 18's faults.py)."""
         self.llm, self.tokenizer = llm, llm.tokenizer
         self.model_name = served_model_name or str(llm.model_dir)
         self.max_model_len = llm.max_model_len

@@ -1,12 +1,12 @@
-"""Lesson 21: serve the engine over HTTP the way vLLM does, and talk to it like any client would.
+"""Lesson 20: serve the engine over HTTP the way vLLM does, and talk to it like any client would.
 
     python step20_http_serve/run.py              # the embedded model, eager decode step (< 2 min)
-    python step20_http_serve/run.py --compile    # lesson 17's compiled decode step (slower start-up)
+    python step20_http_serve/run.py --compile    # lesson 16's fast-path compiled decode step (slower start-up)
 
 Starts the server in this process (uvicorn in a thread), then:
   1. the official `openai` client: models, completions and chat, streaming and not, n=2 with a
      seed, logprobs, two client mistakes, and a client that hangs up mid-stream;
-  2. lesson 19's load generator over HTTP at a few request rates, and once in-process against
+  2. lesson 18's load generator over HTTP at a few request rates, and once in-process against
      the same engine (no HTTP), printing TTFT / TPOT / ITL percentiles side by side.
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ def demo(client: OpenAI, model: str, engine: AsyncLLM) -> None:
 
 
 def in_process_sender(engine: AsyncLLM):
-    """Lesson 19's engine_sender with lesson 20's params: the same engine, no HTTP in between."""
+    """Lesson 18's engine_sender with lesson 19's params: the same engine, no HTTP in between."""
     async def send(req: Request) -> RequestRecord:
         rec = RequestRecord(prompt_len=len(req.prompt_ids), start=time.perf_counter())
         params = SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=True)
@@ -133,7 +133,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16, help="requests in the load test")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each load-test request generates")
     p.add_argument("--rates", type=float, nargs="+", default=[math.inf, 4.0], help="request rates over HTTP")
-    p.add_argument("--compile", action="store_true", help="compile the decode step (lesson 17; slow start-up)")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (lesson 16's fast path; slow start-up)")
     args = p.parse_args()
     setup(args)
     folder = resolve_model(args.model)
@@ -151,7 +151,7 @@ def main() -> None:
             requests = [Request(ids, args.max_tokens) for ids in work.prompts]
             print(f"\nload test: {len(requests)} chat prompts (shared system prompt, "
                   f"{min(map(len, work.prompts))}-{max(map(len, work.prompts))} tokens), {args.max_tokens} tokens "
-                  f"each (ignore_eos), Poisson arrivals; streaming POST /v1/completions with lesson 19's client")
+                  f"each (ignore_eos), Poisson arrivals; streaming POST /v1/completions with lesson 18's client")
             if warning := busy_warning():
                 print(warning)
             t = time.perf_counter()          # every run below then meets the same warm prefix cache
@@ -177,7 +177,7 @@ def main() -> None:
                     print(f"  {line}")
 
     try:
-        engine.front.drive(session)  # the engine loop in the main thread (lesson 19: thread_cost.py)
+        engine.front.drive(session)  # the engine loop in the main thread (lesson 18: thread_cost.py)
     finally:
         engine.shutdown()
     print(f"\nload average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

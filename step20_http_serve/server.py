@@ -1,7 +1,7 @@
 """Building and running the server: the LLM, the async layer, the app, uvicorn.
 
 `python -m step20_http_serve` runs the engine loop in the main thread and uvicorn beside it
-(`serve` with an unthreaded front end: lesson 19's thread_cost.py measured oneDNN's matmuls
+(`serve` with an unthreaded front end: lesson 18's thread_cost.py measured oneDNN's matmuls
 ~2.5x slower from a second thread). Tests and run.py need
 the server next to their own code instead: `ServerThread` runs uvicorn in a thread on a socket
 bound beforehand (port 0: the OS picks a free port, so parallel runs never collide) and stops
@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 
-# The exit code of a server whose engine died (lesson 19's faults.py): not 0, so a supervisor
+# The exit code of a server whose engine died (lesson 18's faults.py): not 0, so a supervisor
 # (systemd, Kubernetes, a shell loop) restarts it; 3, so a log tells it from a crash (1) or a kill.
 EXIT_ENGINE_DEAD = 3
 DRAIN_S = 1.0            # after death: in-flight answers (503s) go out, then the server stops
@@ -79,11 +79,11 @@ class ServerThread:
 
 
 def serve(app, host: str, port: int, log_level: str = "info", front=None) -> None:
-    """uvicorn in the foreground; with an unthreaded front end (lesson 19's `threaded=False`),
+    """uvicorn in the foreground; with an unthreaded front end (lesson 18's `threaded=False`),
     uvicorn runs in a helper thread and this thread runs the engine loop until uvicorn stops.
     Ctrl+C / SIGTERM then only ask uvicorn to stop (a flag, set between bytecodes), so no
     engine step is ever interrupted halfway; in-flight requests finish, as uvicorn's own
-    graceful shutdown lets them. If the engine dies (lesson 19's faults.py), uvicorn is asked
+    graceful shutdown lets them. If the engine dies (lesson 18's faults.py), uvicorn is asked
     to stop DRAIN_S later; the caller then exits with EXIT_ENGINE_DEAD."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

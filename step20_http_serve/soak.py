@@ -13,7 +13,7 @@ would start it. Each client loops until the time is up, picking one kind of requ
     stop           completion with stop=["."] -> 200, no "." in the text
     malformed      bad JSON / missing field / max_tokens < 1 -> 4xx with OpenAI's error JSON
 and one more task sends a prompt holding the fault marker every `--fault-every-s` seconds: the
-step that holds it raises (lesson 19's faults.py), so it gets a 500 naming the fault, and so may
+step that holds it raises (lesson 18's faults.py), so it gets a 500 naming the fault, and so may
 the requests that shared its step; everything else must go on.
 
 While it runs, RSS and /metrics are sampled; at the end the server must be back to idle (no

@@ -102,7 +102,7 @@ def one_thread():
 @pytest.fixture
 def no_leftovers():
     """A test of a multi-process engine ends with no new child process (waited for up to 10 s).
-    Lesson 18's own test file has a stricter one (shared-memory files too)."""
+    Lesson 17's own test file has a stricter one (shared-memory files too)."""
     from tests.processes import new_children, our_children
     before = {p.pid for p in our_children()}
     yield

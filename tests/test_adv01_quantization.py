@@ -1,7 +1,7 @@
 """Advanced lesson 01: RTN quantization stays within half a step of the grid; the int8/int4
 linears equal a matmul with their dequantized weights (bit for bit for the weights themselves);
 the GGUF file's Q4_1 blocks reach the int4 kernel with exactly the file's values; the quantized
-model in lesson 16/17's engine and lesson 20's LLM API generates the same greedy tokens as a plain forward
+model in lesson 16/17's engine and lesson 19's LLM API generates the same greedy tokens as a plain forward
 with the dequantized weights; bad input names the problem."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.packed_linear import PackedLinear, can_pack, count_modules
 from step16_cuda_graph import engine as lesson16
-from step16_cuda_graph.cpu import engine as lesson17
+from step16_cuda_graph.cpu import engine as fast_path
 from step19_real_model.params import SamplingParams as LLMParams
 
 SCHEMES = [W8A16, W4A16, QuantScheme(4, 64, symmetric=True), QuantScheme(4, 128, symmetric=False)]
@@ -225,12 +225,12 @@ def _reference_tokens(folder, scheme: QuantScheme | None, head: QuantScheme | No
 @pytest.mark.parametrize("scheme, head", [(W8A16, None), (W4A16, None), (QuantScheme(4, 64, True), W8A16)],
                          ids=["w8a16", "w4a16-g32-asym", "w4a16-g64-sym+int8-head"])
 def test_engine_tokens_equal_dequantized_reference(tiny_dir, scheme, head):
-    """The transform before the build (lesson 17's engine, eager), and an eager engine given its
+    """The transform before the build (lesson 16's fast-path engine, eager), and an eager engine given its
     model quantized after the build (lesson 16's): both generate the reference's tokens."""
     want = _reference_tokens(tiny_dir, scheme, head, 16)
     config = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_bytes=2**22)
     model = load_model(tiny_dir, torch.float32)
-    before = lesson17.build_engine(quantize_model(model, scheme, head), config, use_graph=False)
+    before = fast_path.build_engine(quantize_model(model, scheme, head), config, use_graph=False)
     after = lesson16.build_engine(model, config, use_graph=False)
     assert quantize_engine_(after, scheme, head) == 14
     for engine in (before, after):
@@ -281,7 +281,7 @@ def test_llm_api_runs_unchanged(tiny_dir):
 
 
 def test_engine_on_the_files_q4_1_blocks(plain_smol_fp32, smol_tokenizer):
-    """fp32, where the int4 kernel's weights are the float copy's exactly: lesson 17's engine on
+    """fp32, where the int4 kernel's weights are the float copy's exactly: lesson 16's fast-path engine on
     the Q4_1 blocks = lesson 05's loop on the float copy. (torch's int4 kernel has no vectorised
     fp32 path, so the prompt is short.)"""
     ids = smol_tokenizer.encode("The capital of France is")
@@ -289,7 +289,7 @@ def test_engine_on_the_files_q4_1_blocks(plain_smol_fp32, smol_tokenizer):
     model, report = load_q4_1(plain_smol_fp32)
     assert report.swapped == 210 and report.inexact_zeros == 0
     assert count_modules(plain_smol_fp32, nn.Linear) == 210                     # the float copy is unchanged
-    engine = lesson17.build_engine(model, PagedSchedulerConfig(
+    engine = fast_path.build_engine(model, PagedSchedulerConfig(
         max_num_seqs=1, max_num_batched_tokens=64, kv_cache_bytes=2**24), use_graph=False)
     assert count_modules(engine.model, Int4Linear) == 210
     seq, = engine.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

@@ -1,4 +1,4 @@
-"""Advanced lesson 02 over HTTP: lesson 21's server with penalties, logit_bias and bad_words
+"""Advanced lesson 02 over HTTP: lesson 20's server with penalties, logit_bias and bad_words
 in the request, checked with the official openai client against the in-process AdvLLM.
 
 One live server (the embedded SmolLM2 in fp32, eager) for the module; references come from

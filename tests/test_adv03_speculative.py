@@ -25,7 +25,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.block_manager import PrefixCachingBlockManager
 from step16_cuda_graph import engine as lesson16
 from step16_cuda_graph.runner import GraphRunner
-from step16_cuda_graph.cpu import engine as lesson17
+from step16_cuda_graph.cpu import engine as fast_path
 
 ALPHA = 1e-3          # fixed seeds make every test deterministic; alpha bounds a false alarm
 
@@ -151,12 +151,12 @@ def test_greedy_equals_engine_with_partial_grants_and_preemption(tiny64, propose
 
 
 def test_lesson17_model_and_several_draft_lengths(tiny64, one_thread):
-    """Lesson 17's engine without graphs: its model transforms (packed, fused q|k|v and gate|up)
+    """Lesson 16's fast-path engine without graphs: its model transforms (packed, fused q|k|v and gate|up)
     and sampler, under the draft too."""
     prompts = _prompts(tiny64, seed=1)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * len(prompts)
     config = _config(tiny64, max_num_seqs=6)
-    ref = [s.output_token_ids for s in lesson17.build_engine(tiny64, config, use_graph=False).generate(prompts, params)]
+    ref = [s.output_token_ids for s in fast_path.build_engine(tiny64, config, use_graph=False).generate(prompts, params)]
     for k, proposer in ((0, NgramProposer(2, 4)), (1, NgramProposer(2, 4)), (5, NgramProposer(2, 4)),
                         (3, LayerSkipProposer(2))):
         engine = build_spec_engine(tiny64, config, proposer=proposer, num_speculative_tokens=k, use_graph=False)
@@ -167,8 +167,8 @@ def test_lesson17_model_and_several_draft_lengths(tiny64, one_thread):
 
 @pytest.mark.parametrize("lesson", [16, 17])
 def test_recorded_decode_steps_and_verification_steps(tiny64, lesson, one_thread):
-    """Lessons 16 and 17's runners: steps where no sequence has a guess replay a recorded decode
-    step, verification steps (1 + k tokens a sequence) take the prompt-step path (lesson 17: its
+    """Lesson 16's runners: steps where no sequence has a guess replay a recorded decode
+    step, verification steps (1 + k tokens a sequence) take the prompt-step path (lesson 16's fast path: its
     compiled body with a dynamic token count); the tokens of the same engine without graphs."""
     prompts = _prompts(tiny64, seed=4)[:3]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 12, 20)]
@@ -178,7 +178,7 @@ def test_recorded_decode_steps_and_verification_steps(tiny64, lesson, one_thread
         engine = build_spec_engine(tiny64, config, proposer=NgramProposer(2, 3), num_speculative_tokens=3,
                                    lesson=16, pack_weights=False, record_now=False)
     else:
-        ref = lesson17.build_engine(tiny64, config, use_graph=False)
+        ref = fast_path.build_engine(tiny64, config, use_graph=False)
         engine = build_spec_engine(tiny64, config, proposer=NgramProposer(2, 3), num_speculative_tokens=3)
     assert isinstance(engine.runner, GraphRunner)
     assert engine.kv_pool.num_blocks == engine.scheduler.block_manager.num_blocks + 1    # the scratch block
@@ -194,7 +194,7 @@ def test_embedded_model_greedy_equals_engine(smol_fp32, smol_tokenizer, one_thre
     prompts = [chat_prompt_ids(smol_tokenizer, q) for q in questions]
     sp = SamplingParams(temperature=0, max_tokens=24)
     config = _config(smol_fp32, block_size=16, blocks=40, max_num_batched_tokens=256)
-    ref = [s.output_token_ids for s in lesson17.build_engine(smol_fp32, config, use_graph=False)
+    ref = [s.output_token_ids for s in fast_path.build_engine(smol_fp32, config, use_graph=False)
            .generate(prompts, [sp] * 3)]
     ngram = build_spec_engine(smol_fp32, config, use_graph=False, proposer=NgramProposer(1, 3), num_speculative_tokens=4)
     assert run_checked(ngram, prompts, [sp] * 3) == ref

@@ -18,7 +18,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.kv_pool import HeadMajorKVPool
 from step16_cuda_graph import engine as lesson16
 from step16_cuda_graph.runner import GraphRunner
-from step16_cuda_graph.cpu import engine as lesson17
+from step16_cuda_graph.cpu import engine as fast_path
 
 
 # ---- the pieces, by hand ---------------------------------------------------------------------
@@ -164,14 +164,14 @@ def tiny(tiny_qwen3_dir):
 
 
 def test_lesson17_engine_under_preemption_equals_lesson13(tiny, one_thread):
-    """Lesson 17's engine without graphs (packed, fused projections), with and without the radix cache."""
+    """Lesson 16's fast-path engine without graphs (packed, fused projections), with and without the radix cache."""
     g = torch.Generator().manual_seed(3)
     stem = torch.randint(5, tiny.config.vocab_size, (21,), generator=g).tolist()
     prompts = [stem[:n] + torch.randint(5, tiny.config.vocab_size, (m,), generator=g).tolist()
                for n, m in ((21, 6), (14, 9), (21, 3), (7, 20), (18, 5), (21, 11))]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     config = _config(tiny, block_size=4, blocks=18, max_num_batched_tokens=24)
-    ref = staggered(lesson17.build_engine(tiny, config, use_graph=False), prompts, sp)
+    ref = staggered(fast_path.build_engine(tiny, config, use_graph=False), prompts, sp)
     engine = build_radix_engine(tiny, config, use_graph=False)
     assert staggered(engine, prompts, sp) == ref
     stats, bm = engine.stats(), engine.scheduler.block_manager

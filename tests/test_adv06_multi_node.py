@@ -1,4 +1,4 @@
-"""Advanced lesson 06 across machines, played on one (lesson 18's launch path): node 1 is
+"""Advanced lesson 06 across machines, played on one (lesson 17's launch path): node 1 is
 `python -m advanced.adv06_pipeline_parallel.node`, its own process tree. PP=2 over the two gives
 one process's tokens, and so does the same under `torchrun --nnodes 2`; a node that cuts the model
 differently is refused at the rendezvous; a node killed mid-run is named in seconds."""
@@ -34,7 +34,7 @@ def _launch(port: int) -> NodeLaunch:
 
 @pytest.fixture(scope="module")
 def one_process(tiny4):
-    """(prompts, lesson 17's tokens for them in one process, fp32)."""
+    """(prompts, lesson 16's fast-path tokens for them in one process, fp32)."""
     prompts = _prompts(512, (20, 17, 3))
     engine = build_engine(load_model(tiny4, torch.float32), CONFIG, use_graph=False)
     return prompts, [s.output_token_ids for s in engine.generate(prompts, SP)]

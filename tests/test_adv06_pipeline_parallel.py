@@ -142,7 +142,7 @@ def test_pp3_equals_single_process_on_tiny_with_micro_batches_in_flight(tiny4, n
 
 def test_pp2_two_in_flight_equals_one_process_on_smollm2(smol_dir, smol_fp32, smol_prompts, no_leftovers):
     """The embedded model in fp32: 2 stages, 2 micro-batches in flight, prompts chunked by 24
-    tokens; the reference is lesson 17's engine in one process. Greedy, stopping at EOS."""
+    tokens; the reference is lesson 16's fast-path engine in one process. Greedy, stopping at EOS."""
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 16, 18, 10)]
     cfg = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=16, kv_cache_bytes=64 * 2**20)
     one = build_engine(smol_fp32, cfg, use_graph=False)

@@ -1,7 +1,7 @@
 """Advanced lesson 07: context-parallel prefill with ring attention. Zigzag balances the causal
 work; the ring's merge equals full attention; cp = 2 and 3 leave the single-process engine's K/V
 in the pool and produce its tokens (fp32); every worker fault is a clear error within seconds
-with nothing left running; the timeline validates; a second "machine" (lesson 18's node
+with nothing left running; the timeline validates; a second "machine" (lesson 17's node
 launch on loopback) gives the same tokens, and a node that never joins is named."""
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ def test_gc_leaves_nothing_and_bad_sizes_are_refused(tiny_qwen3_dir, no_leftover
         CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=0)
 
 
-# ---- two "machines" on loopback (lesson 18's NodeLaunch) ------------------------------------------
+# ---- two "machines" on loopback (lesson 17's NodeLaunch) ------------------------------------------
 def test_a_second_node_gives_the_same_tokens(tiny_qwen3_dir, no_leftovers):
     prompt, sp = _prompt(61, 512), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ref = build_engine(load_model(tiny_qwen3_dir, torch.float32), CONFIG, use_graph=False)

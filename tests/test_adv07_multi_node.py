@@ -57,7 +57,7 @@ print("TOKENS", json.dumps(tokens))
 
 @pytest.fixture(scope="module")
 def one_process(tiny_qwen3_dir):
-    """(a prompt that is not a multiple of 2cp = 4 chunks, lesson 17's tokens for it, fp32)."""
+    """(a prompt that is not a multiple of 2cp = 4 chunks, lesson 16's fast-path tokens for it, fp32)."""
     prompt = _prompt(61, 512)
     ref = build_engine(load_model(tiny_qwen3_dir, torch.float32), CONFIG, use_graph=False)
     return prompt, ref.generate([prompt], SP)[0].output_token_ids

@@ -1,6 +1,6 @@
 """Advanced lesson 08: routing policies on scripted request streams (cache-aware keeps a
 conversation on the replica holding its prefix, the imbalance override, vLLM issue 52463's
-rotating tie-break), DP=2 tokens identical to one engine (fp32, greedy), lesson 21's API on
+rotating tie-break), DP=2 tokens identical to one engine (fp32, greedy), lesson 20's API on
 top, replica faults (a step that raises, an engine that dies, a hang, a kill) surfacing in
 seconds with the replica's own account and no process left behind. Across machines:
 test_adv08_multi_node.py."""
@@ -138,7 +138,7 @@ def smol_front(smol_dir):
 def test_dp2_tokens_identical_to_one_engine_fp32(smol_front, smol_dir, smol_prompts):
     """Greedy, fp32: whichever replica a request lands on, its tokens are one engine's."""
     params, prompts = SamplingParams(temperature=0, max_tokens=8), smol_prompts[:4]
-    # The replicas' engine (lesson 20's, eager), here in this process, on one thread like them.
+    # The replicas' engine (lesson 19's, eager), here in this process, on one thread like them.
     engine = LogprobsEngine(smol_dir, PagedSchedulerConfig(kv_cache_bytes=64 * 2**20), dtype=torch.float32,
                             threads_per_rank=1, use_graph=False)
     try:
@@ -205,7 +205,7 @@ def test_failed_step_and_dead_engine_stay_on_their_replica(tiny_qwen3_dir, monke
             return out
         out = _run(six())
         errors = [e for e in out if isinstance(e, Exception)]
-        # Each was in the step that raised (lesson 19: StepFailed); the third fault kills the engine.
+        # Each was in the step that raised (lesson 18: StepFailed); the third fault kills the engine.
         assert [type(e) for e in errors] == [StepFailed] * 3 and "replica 1" in str(errors[0])
         assert sum(isinstance(o, list) for o in out) == 3
         deadline = time.monotonic() + WAIT_S
@@ -213,7 +213,7 @@ def test_failed_step_and_dead_engine_stay_on_their_replica(tiny_qwen3_dir, monke
             time.sleep(0.05)
         assert front.alive() == [True, False]
         assert "3 faults within 60 s" in front._pool.replicas[1].account    # the replica's own words
-        assert front._pool.replicas[1].proc.exitcode == 3         # lesson 21's EXIT_ENGINE_DEAD
+        assert front._pool.replicas[1].proc.exitcode == 3         # lesson 20's EXIT_ENGINE_DEAD
         assert _run(_tokens(front, [9] * 8))                     # the live replica serves on
     assert _none_left(pids)
 
@@ -255,7 +255,7 @@ def test_abort_frees_the_request_and_garbage_collection_leaves_no_process(tiny_q
     assert _run(hang_up(front))
     last = front.replica_stats()[0]
     assert last.num_running == 0 and last.num_waiting == 0 and last.kv_blocks_used == 0   # aborted there
-    rec = _run(engine_sender(front)(Request([5] * 8, 3)))      # lesson 19's load generator, unchanged
+    rec = _run(engine_sender(front)(Request([5] * 8, 3)))      # lesson 18's load generator, unchanged
     assert rec.success and rec.output_len == 3
     (tl,) = front.timelines()                               # the replica's engine steps, on our clock
     assert tl.spans and {s.cat for s in tl.spans} == {"compute"} and not validate_trace(chrome_trace([tl]))

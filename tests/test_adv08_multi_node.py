@@ -1,6 +1,6 @@
 """Advanced lesson 08 across machines, played on one: node 1 is `python -m
 advanced.adv08_data_parallel.node`, its own process tree, and its replica dials node 0's front end
-through lesson 18's control channel. The two serve one engine's tokens, their steps on one aligned
+through lesson 17's control channel. The two serve one engine's tokens, their steps on one aligned
 timeline; when node 1 is killed only its requests fail and node 0 serves on; a node started with
 other flags is refused, naming the field. Under `torchrun --nnodes 2` rank 0 is the front end and
 rank 1 turns into the replica: one engine's tokens again; a world that does not fit is refused."""

@@ -1,4 +1,4 @@
-"""Lesson 17's C passes against what they replace: elementwise.cpp's q/k norm + RoPE and
+"""Lesson 16's fast-path C passes against what they replace: elementwise.cpp's q/k norm + RoPE and
 silu(gate) * up against lesson 04's bf16 code, and the C argmax against torch's."""
 from __future__ import annotations
 

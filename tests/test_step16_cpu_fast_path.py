@@ -1,4 +1,4 @@
-"""Lesson 17: the CPU fast path on top of lesson 16's runner. Each part against what it replaces:
+"""Lesson 16, part 2: the CPU fast path on top of lesson 16's runner. Each part against what it replaces:
 the attention op's prompt chunks (SDPA or AMX tiles), fused q|k|v and gate|up projections (bit
 for bit), the model transforms (new models; the given one untouched), elementwise.cpp's passes
 (its AVX-512 BF16 build or the portable one), the C argmax, the packed LM head, direct calls of
@@ -20,7 +20,7 @@ from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step14_batched_forward.engine import BatchedEngine
 from step14_batched_forward.packed_linear import PackedLinear, can_pack, count_modules, pack_linears
-from step15_flash_attention import flash_cpu
+from step15_flash_attention import amx_prefill, flash_cpu
 from step16_cuda_graph import engine as lesson16_engine
 from step16_cuda_graph import runner as lesson16_runner
 from step16_cuda_graph.runner import GraphRunner
@@ -50,7 +50,7 @@ def test_bf16_prompt_chunks_match_the_kernel(monkeypatch, path, Hq, Hkv, D, bs, 
     chunks through SDPA or the AMX kernel, decodes through a sub-batch of lesson 15's kernel)
     gives lesson 15's kernel's result on the whole batch, to bf16 rounding; decodes exactly."""
     from step16_cuda_graph.cpu import ops
-    if path == "amx" and ops.amx_library() is None:
+    if path == "amx" and amx_prefill.amx_library() is None:
         pytest.skip("no AMX tiles on this CPU (or no compiler)")
     if path == "sdpa":
         monkeypatch.setattr(ops, "amx_prefill_fits", lambda q, k_cache: False)

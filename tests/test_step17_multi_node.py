@@ -1,4 +1,4 @@
-"""Lesson 18 across machines, played on one: two "nodes" that share nothing but the rendezvous
+"""Lesson 17 across machines, played on one: two "nodes" that share nothing but the rendezvous
 address. Node 0 is this test process (the engine); node 1 is `python -m step17_tensor_parallel.node`,
 its own process tree. Tokens equal TP=1 (fp32); a node that never joins, one started with other
 flags, and one killed mid-run all end in seconds with a message naming it, and nothing is left."""

@@ -1,4 +1,4 @@
-"""Lesson 18: tensor parallelism in real processes. Each parallel layer equals its unsharded
+"""Lesson 17: tensor parallelism in real processes. Each parallel layer equals its unsharded
 counterpart; TP engines produce the tokens of TP=1 (fp32) through chunked prefill, preemption
 and prefix-cache hits; worker faults become clear errors in seconds with nothing left behind."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lesson 19: serving metrics on synthetic timestamps, Poisson arrivals, the OpenAI streaming
+"""Lesson 18: serving metrics on synthetic timestamps, Poisson arrivals, the OpenAI streaming
 client against a local fake server, and a short ladder + online run on the tiny model."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 28: a failing engine step fails only its own requests (lesson 19's front end and
+"""Issue 28: a failing engine step fails only its own requests (lesson 18's front end and
 faults.py); repeated faults or unbalanced books make the engine dead."""
 import asyncio
 

@@ -1,4 +1,4 @@
-"""Lesson 19's async front end: concurrent streams get the synchronous engine's tokens, an
+"""Lesson 18's async front end: concurrent streams get the synchronous engine's tokens, an
 abandoned stream frees its KV blocks, and errors reach the callers."""
 from __future__ import annotations
 

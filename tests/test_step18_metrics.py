@@ -1,4 +1,4 @@
-"""Lesson 19: serving metrics checked against numbers computed by hand, and the streaming OpenAI
+"""Lesson 18: serving metrics checked against numbers computed by hand, and the streaming OpenAI
 client checked against a small aiohttp server started in the test (normal streams and every
 way a request can fail)."""
 from __future__ import annotations

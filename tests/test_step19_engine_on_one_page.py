@@ -1,5 +1,5 @@
 """The engine on one page equals the lesson chain token for token: lesson 05's greedy tokens on
-the embedded model, and lesson 17's engine on a mixed workload (chunks, prefix hits, several
+the embedded model, and lesson 16's fast-path engine on a mixed workload (chunks, prefix hits, several
 buckets, a batch past the largest bucket)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lesson 20: the LLM API on the embedded checkpoint: equal to lesson 05 and to HF token for
+"""Lesson 19: the LLM API on the embedded checkpoint: equal to lesson 05 and to HF token for
 token, n/seed, stop strings and stop tokens with vLLM's semantics, logprobs against HF's
 log-softmax, incremental detokenization of multi-byte text, clear errors, nothing left behind."""
 from __future__ import annotations

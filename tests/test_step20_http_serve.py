@@ -1,7 +1,7 @@
-"""Lesson 21: the OpenAI-compatible server, tested over real HTTP with the official client.
+"""Lesson 20: the OpenAI-compatible server, tested over real HTTP with the official client.
 
 One live server (uvicorn in a thread, the embedded SmolLM2 in fp32, eager) serves the whole
-module; the references from lesson 20's LLM are computed on the same LLM before it starts.
+module; the references from lesson 19's LLM are computed on the same LLM before it starts.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_n_and_seed(server):
     a, b = ask(), ask()
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]          # same seed, same text
-    assert [c.text for c in a.choices] == [o.text for o in server.ref.sampled.outputs]   # and lesson 20's
+    assert [c.text for c in a.choices] == [o.text for o in server.ref.sampled.outputs]   # and lesson 19's
     assert a.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in a.choices)
     assert a.usage.prompt_tokens == len(server.ref.sampled.prompt_token_ids)     # counted once, not per choice
     streamed = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,

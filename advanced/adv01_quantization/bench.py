@@ -29,7 +29,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from minivllm_support.workloads import QWEN3_06B_SHAPE
 from step14_batched_forward.packed_linear import PackedLinear
 from step16_cuda_graph.engine import build_engine
-from minivllm_support.workloads import fill
+from step16_cuda_graph.decode_timing import fill
 
 
 def random_model(shape: dict = QWEN3_06B_SHAPE, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> CausalLM:

@@ -1,20 +1,20 @@
-"""Quantized weights under the engine of lessons 15-17, and under lesson 20's `LLM`, unchanged.
+"""Quantized weights under the engine of lessons 15-16, and under lesson 19's `LLM`, unchanged.
 
 The engine never sees a quantization scheme: it calls `model(input_ids, positions, attn)`
 and the model calls its linears. Quantization is a model transform (linear.py), applied
 before the model is handed to an engine, as lesson 14's packing is:
 
     engine = build_engine(quantize_model(model, W8A16), config, use_graph=False)   # lesson 16's or 17's
-    llm = quantized_llm(scheme=W8A16)            # lesson 20's LLM, its model's linears int8
+    llm = quantized_llm(scheme=W8A16)            # lesson 19's LLM, its model's linears int8
     llm, report = q4_1_llm()                     # the embedded SmolLM2 on its own Q4_1 blocks
     llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16))
 
-Lesson 20's LLM builds its engine from a folder, with no hook for a model transform, so the
+Lesson 19's LLM builds its engine from a folder, with no hook for a model transform, so the
 two LLM helpers give the eager engine it built a quantized model afterwards (`use_model_`: the
 engine's model and its runner's). Two engines cannot take that:
-  - one that records its decode steps (lessons 16-17's graph runners): the recording would keep
+  - one that records its decode steps (lesson 16's graph runners): the recording would keep
     calling the old linears. Build it with `use_graph=False` (`LLM(enforce_eager=True)`);
-  - lesson 18's tensor-parallel engine: its workers load their own shards in their own
+  - lesson 17's tensor-parallel engine: its workers load their own shards in their own
     processes; only tensor_parallel_size=1 is quantized here.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _check_engine(engine) -> None:
         raise ValueError("quantizing a tensor-parallel engine is not supported (each worker holds its own shard): "
                          "use tensor_parallel_size=1")
     if type(getattr(engine, "runner", None)) is not ModelRunner:
-        raise ValueError("this engine records its decode steps with the linears it was built on (lessons 16-17's "
+        raise ValueError("this engine records its decode steps with the linears it was built on (lesson 16's "
                          "graph runners): quantize the model before building the engine, or build it with "
                          "use_graph=False (LLM: enforce_eager=True)")
 
@@ -62,15 +62,15 @@ def quantize_engine_(engine, scheme: QuantScheme, head: QuantScheme | None = Non
 
 def quantized_llm(model: str | Path | None = None, scheme: QuantScheme = W8A16, head: QuantScheme | None = None,
                   **llm_options) -> LLM:
-    """Lesson 20's LLM (eager) with its linears quantized by round-to-nearest."""
+    """Lesson 19's LLM (eager) with its linears quantized by round-to-nearest."""
     llm = LLM(model, enforce_eager=True, **llm_options)
     quantize_engine_(llm.engine, scheme, head)
     return llm
 
 
 def q4_1_llm(**llm_options) -> tuple[LLM, Q41Report]:
-    """Lesson 20's LLM (eager) on the embedded SmolLM2, its linears on the GGUF file's own Q4_1 blocks.
-    The blocks are found by layer name, so they go into the model as loaded (lesson 17's engine
+    """Lesson 19's LLM (eager) on the embedded SmolLM2, its linears on the GGUF file's own Q4_1 blocks.
+    The blocks are found by layer name, so they go into the model as loaded (lesson 16's fast-path engine
     has fused q|k|v and gate|up): loaded once more, transformed, and given to the engine."""
     llm = LLM(embedded_smollm2(), enforce_eager=True, **llm_options)
     _check_engine(llm.engine)

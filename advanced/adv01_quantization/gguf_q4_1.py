@@ -140,7 +140,7 @@ def load_q4_1(model: nn.Module, path: Path | None = None) -> tuple[nn.Module, Q4
     """`model` with every linear that the GGUF file holds in Q4_1 swapped for an Int4Linear built
     from the file's blocks (not from the model's float copy): a new model (lesson 14's
     `replace_modules`), `model` is not changed. Linears are found by name, so give it the model
-    as loaded (before lesson 17 fuses q|k|v and gate|up)."""
+    as loaded (before lesson 16's fast path fuses q|k|v and gate|up)."""
     cfg = model.config
     blocks, report = read_q4_1(path or embedded_gguf(), cfg.num_heads, cfg.num_kv_heads)
     dtype = model.model.embed_tokens.weight.dtype

@@ -117,7 +117,7 @@ def dense_weight(module: nn.Module) -> tuple[Tensor, Tensor | None]:
 
 def quantize_linears(model: nn.Module, scheme: QuantScheme) -> nn.Module:
     """`model` with every linear of the decoder layers (nn.Linear, or lesson 14's PackedLinear
-    and lesson 17's fused or op-routed versions of it) swapped for its quantized version: a new
+    and lesson 16's fast-path fused or op-routed versions of it) swapped for its quantized version: a new
     model, `model` is not changed (lesson 14's `replace_modules`). `count_quantized` says how many.
 
     The embedding and the LM head are left alone (quantize_model does the head). Every weight is

@@ -6,7 +6,7 @@
 
 1. what the embedded GGUF file stores, and its Q4_1 blocks served as int4, checked bit for bit;
 2. quality: perplexity, top-1 agreement and KL against the unquantized model, and weight bytes;
-3. lesson 20's LLM on the Q4_1 blocks, beside the float copy;
+3. lesson 19's LLM on the Q4_1 blocks, beside the float copy;
 4. speed on the Qwen3-0.6B shape: bytes per decode step, where each kernel wins as rows grow,
    and one decode step of lesson 16's engine (eager) at batch 1 and 64.
 """
@@ -110,7 +110,7 @@ def llm_section(folder, dtype: str) -> None:
     llm, report = q4_1_llm(dtype=dtype)
     with llm:
         q41 = llm.chat(q, params, use_tqdm=False)[0].outputs[0]
-    print(f"== 3. lesson 20's LLM, greedy, unchanged: float copy vs the file's Q4_1 blocks ({report.swapped} Int4Linear)")
+    print(f"== 3. lesson 19's LLM, greedy, unchanged: float copy vs the file's Q4_1 blocks ({report.swapped} Int4Linear)")
     print(f"  float copy : {plain.text!r}\n  Q4_1 int4  : {q41.text!r}\n  same tokens: {plain.token_ids == q41.token_ids}\n")
 
 

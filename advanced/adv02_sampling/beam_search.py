@@ -79,8 +79,8 @@ class _Search:
 
 
 def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[list[BeamSequence]]:
-    """The k best sequences of each prompt, best first. `engine`: lesson 20's engine (anything
-    with lesson 20's logprobs output processor) or an LLM (its .engine). All prompts' beams share each engine step."""
+    """The k best sequences of each prompt, best first. `engine`: lesson 19's engine (anything
+    with lesson 19's logprobs output processor) or an LLM (its .engine). All prompts' beams share each engine step."""
     engine = getattr(engine, "engine", engine)
     k = params.beam_width
     eos = set() if params.ignore_eos else set(engine.eos_ids)
@@ -138,7 +138,7 @@ def _advance(s: _Search, tops: list[dict], k: int, K: int, eos: set[int], params
 
 
 def llm_beam_search(llm, prompts, params: BeamSearchParams) -> list[list[BeamSequence]]:
-    """LLM.beam_search: prompts as lesson 20's generate() takes them; each sequence gets its text."""
+    """LLM.beam_search: prompts as lesson 19's generate() takes them; each sequence gets its text."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -1,7 +1,7 @@
-"""Lesson 20's engine and LLM with penalties, logit_bias and bad words.
+"""Lesson 19's engine and LLM with penalties, logit_bias and bad words.
 
     step(): schedule -> run_model(batch) ---------------> compute_logits(hidden)
-                        | remember which sequences        | lesson 20 keeps the raw logits
+                        | remember which sequences        | lesson 19 keeps the raw logits
                         | get a token this step           |   (logprobs are the model's own)
                         v                                 v
                         self._step_seqs  ----------->  apply_penalties(rows of those sequences)
@@ -33,7 +33,7 @@ from .params import SamplingParams, needs_penalties
 
 
 class PenaltiesMixin:
-    """Put in front of any engine of lessons 09-20: `class E(PenaltiesMixin, Engine)`."""
+    """Put in front of any engine of lessons 09-19: `class E(PenaltiesMixin, Engine)`."""
 
     _step_seqs: list[Sequence] = []
 
@@ -72,7 +72,7 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 
 class AdvEngine(PenaltiesMixin, LogprobsEngine):
-    """Lesson 20's engine (lesson 18's + logprobs) with penalties. Lesson 15's Engine keeps the
+    """Lesson 19's engine (lesson 17's + logprobs) with penalties. Lesson 15's Engine keeps the
     step's logits for the logprobs output processor before this mixin's compute_logits applies
     the penalties (to a copy): logprobs stay raw, as vLLM's default."""
 
@@ -98,19 +98,19 @@ def bad_words_to_ids(tokenizer, words: list[str]) -> list[list[int]]:
 
 
 class AdvLLM(LLM):
-    """lesson 20's LLM whose engine applies this lesson's SamplingParams, plus beam_search()."""
+    """lesson 19's LLM whose engine applies this lesson's SamplingParams, plus beam_search()."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if type(self.engine) is not LogprobsEngine:
-            raise TypeError(f"expected lesson 20's LogprobsEngine, got {type(self.engine).__name__}")
-        # The mixin adds methods and no state at construction, so the engine lesson 20 built
-        # becomes an AdvEngine in place (lesson 20's LLM has no hook to choose the engine class;
+            raise TypeError(f"expected lesson 19's LogprobsEngine, got {type(self.engine).__name__}")
+        # The mixin adds methods and no state at construction, so the engine lesson 19 built
+        # becomes an AdvEngine in place (lesson 19's LLM has no hook to choose the engine class;
         # the alternative is copying its __init__).
         self.engine.__class__ = AdvEngine
 
     def _params(self, sp, count: int) -> list:
-        """Lesson 20's checks, then bad_words -> token ids with this model's tokenizer."""
+        """Lesson 19's checks, then bad_words -> token ids with this model's tokenizer."""
         plist = super()._params(sp, count)
         return [dataclasses.replace(p, bad_words_token_ids=bad_words_to_ids(self.tokenizer, p.bad_words))
                 if isinstance(p, SamplingParams) and p.bad_words and p.bad_words_token_ids is None else p

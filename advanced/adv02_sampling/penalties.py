@@ -48,7 +48,7 @@ def banned_tokens(bad_words: list[list[int]], output_ids: list[int]) -> list[int
 
 def apply_penalties(logits: Tensor, params: list, prompt_ids: list[list[int]],
                     output_ids: list[list[int]]) -> Tensor:
-    """New float32 logits [B, V]; the input is not modified (lesson 20 keeps it for raw logprobs)."""
+    """New float32 logits [B, V]; the input is not modified (lesson 19 keeps it for raw logprobs)."""
     if logits.dim() != 2 or not logits.shape[0] == len(params) == len(prompt_ids) == len(output_ids):
         raise ValueError(f"logits must be [B, V] with B = len(params) = {len(params)}, got {tuple(logits.shape)}")
     logits = logits.float().clone()

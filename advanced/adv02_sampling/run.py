@@ -23,7 +23,7 @@ def main() -> None:
     setup(args)
     folder = resolve_model(args.model)
     print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")
-    # enforce_eager: lesson 17's compiled decode steps take minutes to record on a small CPU
+    # enforce_eager: lesson 16's fast-path compiled decode steps take minutes to record on a small CPU
     # and are not what this lesson is about.
     with AdvLLM(folder, dtype=args.dtype, max_num_seqs=16, enforce_eager=True) as llm:
         penalties(llm)

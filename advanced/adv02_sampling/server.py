@@ -1,4 +1,4 @@
-"""Lesson 21's OpenAI-compatible server with this lesson's penalties in its request fields.
+"""Lesson 20's OpenAI-compatible server with this lesson's penalties in its request fields.
 
     request JSON                         SamplingParams (params.py)
     presence_penalty   [-2, 2]     ->    presence_penalty          (OpenAI)
@@ -7,11 +7,11 @@
     repetition_penalty > 0         ->    repetition_penalty        (vLLM's extension)
     bad_words ["..."]              ->    bad_words -> token ids    (vLLM's extension)
 
-Lesson 21 refuses the first three (its engine had no lesson for them); here its request
+Lesson 20 refuses the first three (its engine had no lesson for them); here its request
 classes get a `check_penalties` that lets them through and a `sampling_params` that builds
-this lesson's SamplingParams. The rest of the server is lesson 21's, unchanged:
+this lesson's SamplingParams. The rest of the server is lesson 20's, unchanged:
 
-    python -m advanced.adv02_sampling.server --model PATH --port 8000   (lesson 21's flags)
+    python -m advanced.adv02_sampling.server --model PATH --port 8000   (lesson 20's flags)
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from .params import SamplingParams
 
 
 class PenaltyFields(BaseModel):
-    """The fields, typed as strictly as lesson 21's; put first among the bases so they win."""
+    """The fields, typed as strictly as lesson 20's; put first among the bases so they win."""
     presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[Float, Field(gt=0)] | None = None
@@ -82,7 +82,7 @@ def build_server(model: str | None = None, *, served_model_name: str | None = No
                  enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True,
                  fault_marker: str | None = None, policy: FaultPolicy | None = None,
                  tensor_parallel_size: int = 1, launch=None):
-    """Lesson 21's build_server with AdvLLM and these request classes: (app, AdvAsyncLLM)."""
+    """Lesson 20's build_server with AdvLLM and these request classes: (app, AdvAsyncLLM)."""
     llm = AdvLLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
                  tensor_parallel_size=tensor_parallel_size, launch=launch)

@@ -79,7 +79,7 @@ class NgramProposer:
 # ---- a draft made of the target's first layers ----------------------------------------------
 @dataclass
 class DraftSlot:
-    """What a step attention reads of a sequence (lessons 12-17): where its K/V live and
+    """What a step attention reads of a sequence (lessons 12-16): where its K/V live and
     how many tokens are already there. One per sequence, advanced by one token per draft step."""
     block_table: list[int]
     num_computed_tokens: int

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from minivllm_support.cli import base_parser, identity_line
-from minivllm_support.lesson import start_lesson
+from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import compare, format_ratio
 from step04_transformer.model import SingleSequenceAttention
@@ -143,7 +143,7 @@ def main() -> None:
     n_layers = model.config.num_layers
     config = PagedSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, kv_cache_bytes=128 * 2**20)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    # Lesson 17's model transforms once, here: build_engine finds nothing left to transform, so a
+    # Lesson 16's fast-path model transforms once, here: build_engine finds nothing left to transform, so a
     # fresh engine per timed run costs no packing.
     fast = cpu_fast_path(model)
     engines = {
@@ -154,7 +154,7 @@ def main() -> None:
             fast, config, use_graph=False, proposer=LayerSkipProposer(args.draft_layers),
             num_speculative_tokens=args.draft_k),
     }
-    print(f"all engines: lesson 17's engine without graphs (use_graph=False), greedy, max_tokens={args.max_tokens}\n"
+    print(f"all engines: lesson 16's fast-path engine without graphs (use_graph=False), greedy, max_tokens={args.max_tokens}\n"
           f"prompt lookup: the last 3 (else 2, else 1) tokens found earlier in prompt + output, k={args.k}\n"
           f"layer skip: the first {args.draft_layers} of {n_layers} layers + final norm + LM head, k={args.draft_k}")
     prompts = [chat_prompt_ids(tok, q) for _, q in TASKS]

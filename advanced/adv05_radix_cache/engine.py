@@ -24,14 +24,14 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.engine import PrefixCachingScheduler
 from step15_flash_attention.engine import Engine
 from step16_cuda_graph import engine as lesson16
-from step16_cuda_graph.cpu import engine as lesson17
+from step16_cuda_graph.cpu import engine as fast_path
 from advanced.adv05_radix_cache.block_manager import RadixBlockManager
 
 
 def copy_blocks(pool: KVPool, copies: list[tuple[int, int]]) -> None:
     """pool block dst := pool block src, for K and V of every layer, in the given order.
 
-    Every pool layout of lessons 12-17 puts the block first ([num_blocks, ...]), so one
+    Every pool layout of lessons 12-16 puts the block first ([num_blocks, ...]), so one
     indexed copy per layer moves a whole block. In order, not batched: a block freed by one
     copy's source may be the next copy's destination.
     """
@@ -109,14 +109,14 @@ class RadixCacheMixin:
 
 
 class RadixEngine(RadixCacheMixin, Engine):
-    """Lesson 15's engine with the radix cache; any runner (lessons 15-17)."""
+    """Lesson 15's engine with the radix cache; any runner (lessons 15-16)."""
 
 
 def build_radix_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, lesson: int = 17,
                        **options) -> RadixEngine:
-    """Lesson 17's engine (lesson=16: lesson 16's) with the radix cache. options: that lesson's
+    """Lesson 16's fast-path engine (lesson=16: lesson 16's) with the radix cache. options: that lesson's
     build_engine options (use_graph=False: eager steps; with lesson=16 also pack_weights=False)."""
-    builders = {16: lesson16.build_engine, 17: lesson17.build_engine}
+    builders = {16: lesson16.build_engine, 17: fast_path.build_engine}
     if lesson not in builders:
         raise ValueError(f"lesson must be 16 or 17, got {lesson!r}")
     return builders[lesson](model, config, engine_class=RadixEngine, scheduler_class=RadixScheduler,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from minivllm_support.cli import base_parser, identity_line
-from minivllm_support.lesson import start_lesson
+from step04_transformer.start import start_lesson
 from minivllm_support.timing import compare, format_ratio
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
@@ -120,7 +120,7 @@ def main() -> None:
     config = PagedSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=args.block_size,
                                   kv_cache_bytes=256 * 2**20)
     engines = {f"lesson 13 (blocks of {args.block_size})": build_engine, "radix tree (tokens)": build_radix_engine}
-    print(f"both engines: lesson 17's engine without graphs (use_graph=False), greedy; "
+    print(f"both engines: lesson 16's fast-path engine without graphs (use_graph=False), greedy; "
           f"only the block manager differs")
     model = cpu_fast_path(model)        # once: a fresh engine per run then has nothing left to transform
 

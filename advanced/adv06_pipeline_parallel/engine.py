@@ -17,7 +17,7 @@ With m = 1 every step waits for the whole pipeline before the next is scheduled:
 idles while the others compute. With m >= p, p micro-batches are in flight and every stage
 has work. The micro-batches are vLLM V0's virtual engines (virtual.py).
 
-Start, faults and shutdown are lesson 18's WorkerSet (workers.py there): the stages dial rank
+Start, faults and shutdown are lesson 17's WorkerSet (workers.py there): the stages dial rank
 0's control socket, on this machine or on others (`launch`, node.py); a stage that raises
 sends its traceback and exits, one that dies closes its sockets; either way rank 0's receive
 fails at once (one that hangs: after `timeout_s`) and WorkerFailed carries the workers' own
@@ -68,7 +68,7 @@ class PPEngine(LLMEngine):
         micro-batches in flight (default p). kv_cache_bytes of the config is a budget per rank.
         layer_partition: layers per stage, e.g. [14, 16] (default: partition.py's rule).
         tensor_parallel_size: ranks per stage, each layer split over them (tp_stage.py): p x tp ranks.
-        launch: where the ranks run (lesson 18's launch.py; default: torchrun's environment if
+        launch: where the ranks run (lesson 17's launch.py; default: torchrun's environment if
         any, else this machine); placement(tp, p, nnodes): a stage's TP group on one node."""
         folder = check_model_dir(Path(model))
         cfg, p, tp = ModelConfig.from_pretrained(folder), pipeline_parallel_size, tensor_parallel_size
@@ -247,7 +247,7 @@ class PPEngine(LLMEngine):
             self.timeline.clear()
         return out
 
-    # ---- faults and shutdown: lesson 18's WorkerSet, naming the stage ----------------------
+    # ---- faults and shutdown: lesson 17's WorkerSet, naming the stage ----------------------
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' own account if they have one."""
         report = self.group.report() if self.world > 1 and hasattr(self, "group") else ""

@@ -6,9 +6,9 @@
     node 1:  python -m advanced.adv06_pipeline_parallel.node --model PATH --pipeline-parallel-size 4 \\
                  --nnodes 2 --node-rank 1 --master-addr H --master-port PORT          stages p/2 .. p-1
 
-Stages are ranks, and lesson 18's placement(tp=1, pp=p, nnodes) puts consecutive ones on a
+Stages are ranks, and lesson 17's placement(tp=1, pp=p, nnodes) puts consecutive ones on a
 node: only one hidden state per micro-batch crosses between the machines (and the last stage's
-sampled rows go back to rank 0). Everything else is lesson 18's node.py: run_node spawns one
+sampled rows go back to rank 0). Everything else is lesson 17's node.py: run_node spawns one
 worker per local stage and stops them all when one fails, on Ctrl-C or SIGTERM, or when node 0
 closes the engine. Exit codes as there: 0 closed by node 0, 2 rendezvous failed (never joined,
 or refused for other flags, named in the message), 1 a stage failed.
@@ -35,7 +35,7 @@ from advanced.adv06_pipeline_parallel.worker import StageSpec, stage_worker_main
 def stage_specs(folder: str, pp: int, dtype: torch.dtype, launch: NodeLaunch, timeout_s: float = 60.0,
                 threads: int | None = None, layer_partition=None, fast_path: bool = True, tp: int = 1) -> list[StageSpec]:
     """The specs of this node's ranks, cut by the same rule as node 0's engine (partition.py);
-    rank r is TP rank r % tp of stage r // tp (lesson 18's placement)."""
+    rank r is TP rank r % tp of stage r // tp (lesson 17's placement)."""
     cfg = ModelConfig.from_pretrained(folder)
     local_config(cfg, tp)                                     # refuses a model tp cannot split
     bounds = partition_layers(cfg.num_layers, pp, layer_partition)
@@ -50,7 +50,7 @@ def stage_specs(folder: str, pp: int, dtype: torch.dtype, launch: NodeLaunch, ti
 def run_torchrun_stage(model: str, pp: int, dtype: torch.dtype, timeout_s: float = 60.0,
                        layer_partition=None, tp: int = 1) -> None:
     """Under torchrun, on every rank but 0: be that rank's stage, then exit. A no-op elsewhere
-    (call it first thing, before building the engine, as lesson 18's run_torchrun_worker)."""
+    (call it first thing, before building the engine, as lesson 17's run_torchrun_worker)."""
     rank = torchrun_rank()
     if rank is None:
         return

@@ -1,12 +1,12 @@
 """What travels between the ranks of a pipeline, and how.
 
     rank 0 --control socket--> every worker: one step message per micro-batch (header + lesson
-                               18's StepMetadata); the same connection lesson 18's workers use
+                               18's StepMetadata); the same connection lesson 17's workers use
     stage s --gloo isend/irecv--> stage s+1: the hidden states [T, hidden] of that micro-batch
     last stage --gloo isend--> rank 0: the final-normed hidden states [N, hidden] of the rows rank 0
                                will sample (it runs the LM head on them: N x hidden bytes, not N x vocab)
 
-Tensor parallelism (lesson 18) needs collectives: every rank takes part in every all-reduce.
+Tensor parallelism (lesson 17) needs collectives: every rank takes part in every all-reduce.
 A pipeline only needs point-to-point messages between neighbours, and `isend`/`irecv` return
 at once, so a stage can hand its output on and start on the next micro-batch while the bytes
 travel. Messages between two ranks arrive in the order they were sent, so no tags are needed:

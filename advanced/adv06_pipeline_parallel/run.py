@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from minivllm_support.cli import base_parser, identity_line
-from minivllm_support.lesson import start_lesson
+from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timeline import Timeline, bubble_formula, chrome_trace, draw_png, validate_trace, window, \
     write_chrome_trace

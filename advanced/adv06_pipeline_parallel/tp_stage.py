@@ -10,7 +10,7 @@
                         hidden =================================> rank 3  hidden per micro-batch)
       LM head, sample <========= normed rows (rank 2 only) ========
 
-vLLM's placement rule (lesson 18's launch.placement): a TP group stays on one machine, where
+vLLM's placement rule (lesson 17's launch.placement): a TP group stays on one machine, where
 its two all-reduces per layer are cheap, and only the pipeline's hidden states cross machines.
 
 Each rank of stage s sends its whole hidden state to the rank with the same TP rank in stage
@@ -21,7 +21,7 @@ times fewer bytes between machines, one more collective inside); this lesson kee
 The embedding and the LM head are not split here: every rank of stage 0 holds the whole
 embedding (each embeds the step's tokens itself, no all-reduce) and rank 0 alone runs the LM
 head on the rows the last stage sends back, exactly as in the pipeline without TP. It costs
-(tp - 1) x vocab x hidden of memory on stage 0; lesson 18's VocabParallelEmbedding would save
+(tp - 1) x vocab x hidden of memory on stage 0; lesson 17's VocabParallelEmbedding would save
 it at the price of an all-reduce per step and the rows sent to every rank of stage 0.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ from advanced.adv06_pipeline_parallel.stage import Stage, StageModel, keep_stage
 
 class TPStageModel(TPCausalLM):
     def __init__(self, cfg: ModelConfig, stage: Stage, tp_rank: int, tp: int):
-        super().__init__(cfg, tp_rank, tp)          # lesson 18's split layers, on the meta device
+        super().__init__(cfg, tp_rank, tp)          # lesson 17's split layers, on the meta device
         keep_stage_only(self, cfg, stage)
         if stage.is_first:                           # whole, not split: see the module's comment
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -59,7 +59,7 @@ class TPStageModel(TPCausalLM):
 
 def load_tp_stage(folder: str | Path, stage: Stage, tp_rank: int, tp: int,
                   dtype: torch.dtype = torch.float32) -> TPStageModel:
-    """Lesson 18's sharded strict loader, reading only this stage's tensors."""
+    """Lesson 17's sharded strict loader, reading only this stage's tensors."""
     cfg = ModelConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = TPStageModel(cfg, stage, tp_rank, tp)

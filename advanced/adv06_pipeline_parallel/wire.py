@@ -5,7 +5,7 @@
 Both engines run on this machine (gloo over loopback), exactly as they would across two: what
 rank 0 hands the process group and the control socket is what would cross the link. Counted:
 
-    TP=2 (lesson 18)   every layer: 2 all-reduces of [T, hidden]; the embedding's all-reduce;
+    TP=2 (lesson 17)   every layer: 2 all-reduces of [T, hidden]; the embedding's all-reduce;
                        the logits gather (rank 1's half of the vocabulary); the step's metadata
     PP=2 (this lesson) one hop of [T, hidden] from stage 0 to 1; the sampled rows' hidden states
                        back; the step's metadata

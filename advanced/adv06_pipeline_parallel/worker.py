@@ -7,7 +7,7 @@
         gloo      -> hidden to rank s+1, or the normed      "send" span: just starts the send
                      sampled rows [N, hidden] to rank 0
 
-It joins exactly as lesson 18's worker does (worker.py there): dial the store, then rank 0's
+It joins exactly as lesson 17's worker does (worker.py there): dial the store, then rank 0's
 control socket with its flags (control.py), then the process group; so the same function runs
 a stage that rank 0 spawned and one that a headless node spawned on another machine (node.py).
 It answers ("ready", facts) once or ("error", traceback) before it exits, and stops on b"" or
@@ -37,7 +37,7 @@ from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv06_pipeline_parallel.stage import Stage, load_stage, stage_config
 from advanced.adv06_pipeline_parallel.tp_stage import join_tp_groups, load_tp_stage
 
-# Fault injection, lesson 18's style: "raise@N" makes the last stage raise at its N-th
+# Fault injection, lesson 17's style: "raise@N" makes the last stage raise at its N-th
 # micro-batch, "hang@N" makes it stop answering, "exit@N" makes it vanish without a word.
 FAULT_ENV = "MINIVLLM_PP_FAULT"
 MAX_PENDING_SENDS = 8        # sends still travelling; older ones are waited for
@@ -86,7 +86,7 @@ class StageSpec:
 
 
 def run_flags(folder: str, dtype: torch.dtype, pp: int, nnodes: int, layers: str, tp: int = 1) -> control.RunFlags:
-    """Lesson 18's flags plus the layer split and the TP size, so that two nodes that cut the
+    """Lesson 17's flags plus the layer split and the TP size, so that two nodes that cut the
     model differently are refused at the rendezvous, naming it, not at the first hidden state."""
     extra = f"pp_layers={layers}" + (f" tp={tp}" if tp > 1 else "")
     return control.RunFlags(control.model_fingerprint(folder), str(dtype), pp * tp, nnodes, extra=extra)
@@ -98,8 +98,8 @@ def stage_label(stage: Stage, tp_rank: int | None = None) -> str:
 
 
 def prepare_stage(spec: StageSpec):
-    """The stage's model as the single-process engine runs it (lesson 17's CPU fast path; with
-    TP, lesson 18's: its split linears packed for oneDNN)."""
+    """The stage's model as the single-process engine runs it (lesson 16's CPU fast path; with
+    TP, lesson 17's: its split linears packed for oneDNN)."""
     if spec.tp > 1:
         model = load_tp_stage(spec.folder, spec.stage, spec.tp_rank, spec.tp, spec.dtype)
         weights = model_bytes(model)

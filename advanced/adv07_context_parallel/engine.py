@@ -1,4 +1,4 @@
-"""Lesson 17's engine, whose long prompts are prefilled by `context_parallel_size` processes.
+"""Lesson 16's fast-path engine, whose long prompts are prefilled by `context_parallel_size` processes.
 
     user process = rank 0                                ranks 1 .. cp-1 (spawned by rank 0,
     engine: scheduler, block manager, paged KV pool      by node.py on another machine, or
@@ -11,7 +11,7 @@
         (every K/V block passing by -> its paged pool)
       last token's hidden row (rank 0 holds it) -> logits -> first token
       the sequence joins the running queue               wait for the next prompt
-    step(): lesson 17's decode, in rank 0 alone
+    step(): lesson 16's fast-path decode, in rank 0 alone
 
 CP splits the prompt's tokens, not the weights: norms, projections and MLP run on each rank's
 own tokens, and only attention needs the others' keys, which the ring brings (ring.py). After
@@ -21,7 +21,7 @@ the single-process engine's: the tokens are those of a single-process run.
 A prompt shorter than `min_cp_tokens` (or arriving when no seat or no blocks are free) goes
 the ordinary way: the scheduler's prefill in rank 0.
 
-The workers start, report and stop through lesson 18's WorkerSet (workers.py there): they dial
+The workers start, report and stop through lesson 17's WorkerSet (workers.py there): they dial
 rank 0 over its control socket with the run's flags, on this machine or others (`launch`).
 Failures follow its contract: a worker that raises sends its traceback and exits, one that is
 killed closes its connections: rank 0's next ring hop fails within milliseconds, a worker that
@@ -52,7 +52,7 @@ from step09_continuous_batching.sequence import Sequence, SequenceStatus
 from step12_paged_attention.kv_pool import slot_mapping
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step15_flash_attention.engine import Engine
-from step16_cuda_graph.cpu import engine as lesson17
+from step16_cuda_graph.cpu import engine as fast_path
 from step17_tensor_parallel import parallel
 from step17_tensor_parallel.engine import _release
 from step17_tensor_parallel.launch import NodeLaunch
@@ -72,8 +72,8 @@ class CPEngine(Engine):
         pieces (the unbalanced split, kept to measure it). exact_memory: every rank's large
         allocations go back to the kernel when freed (memory.py), so each prefill's peak memory
         is its own, for benchmarks (it changes the C allocator of this process too). Every rank
-        applies lesson 17's model transforms, so all run the same numerics. launch: where the
-        ranks run (lesson 18's launch.py; default: torchrun's environment if any, else this
+        applies lesson 16's fast-path model transforms, so all run the same numerics. launch: where the
+        ranks run (lesson 17's launch.py; default: torchrun's environment if any, else this
         machine). Under torchrun this engine is rank 0 and spawns nobody: every other rank has
         called node.run_torchrun_rank() and dials in; torchrun's world must be cp."""
         folder = check_model_dir(Path(model))
@@ -96,7 +96,7 @@ class CPEngine(Engine):
         torch.set_num_threads(threads)
         full = load_model(folder, dtype)
         self.weight_bytes = model_bytes(full)
-        one = lesson17.build_engine(full, scheduler, use_graph=False)   # lesson 17's model transforms
+        one = fast_path.build_engine(full, scheduler, use_graph=False)   # lesson 16's fast-path model transforms
         super().__init__(one.model, one.scheduler, one.kv_pool, one.attention, one.runner, one.sampler)
         if exact_memory:       # the pool resident now: a prefill's peak is then activations only
             for t in self.kv_pool.k + self.kv_pool.v:

@@ -5,9 +5,9 @@
     node 1:  python -m advanced.adv07_context_parallel.node --model PATH --context-parallel-size 4 \\
                  --nnodes 2 --node-rank 1 --master-addr H --master-port PORT          ranks 2, 3
 
-Ranks are handed out node by node (lesson 18's launch.py), so of a ring round's cp hops only
+Ranks are handed out node by node (lesson 17's launch.py), so of a ring round's cp hops only
 one per machine crosses the network (rank 1 -> 2 and rank 3 -> 0 above); the ring is lock-step,
-so every round waits for those. Everything else is lesson 18's node.py: run_node spawns
+so every round waits for those. Everything else is lesson 17's node.py: run_node spawns
 one worker per local rank and stops them all when one fails, on Ctrl-C or SIGTERM, or when node
 0 closes the engine. Exit codes as there: 0 closed by node 0, 2 rendezvous failed (never
 joined, or refused for other flags, named in the message), 1 a worker failed.

@@ -1,14 +1,14 @@
 """A context-parallel worker: a full copy of the model, and a loop that prefills its share of
 whatever prompt rank 0 sends.
 
-    worker: dial the store, then rank 0's control socket (lesson 18's control.py), join the group
+    worker: dial the store, then rank 0's control socket (lesson 17's control.py), join the group
     rank 0 --control--> worker: ("prefill", job, token_ids, zigzag) per prompt, b"" to stop
                                 (or ("hops", sizes, repeats): time bare ring hops)
     worker --control--> rank 0: ("ready", facts) once, the clock pings, then ("done", report)
                                 per prompt, or ("error", traceback) before it exits
     ranks <-gloo isend/irecv-> the K/V blocks of the ring, inside the forward
 
-Lesson 18's worker, joined the same way (worker.py there: the store, `connect_to_rank0` with
+Lesson 17's worker, joined the same way (worker.py there: the store, `connect_to_rank0` with
 the run's flags, then the process group), so it starts the same on this machine or another
 one. Two differences: CP splits tokens, not weights, so each worker loads the whole
 checkpoint; and a job is a whole prompt, not an engine step, because rank 0's engine only
@@ -33,7 +33,7 @@ from step16_cuda_graph.cpu.engine import cpu_fast_path
 from step17_tensor_parallel import control
 from step17_tensor_parallel.worker import join_rank0, model_bytes, worker_exit
 
-# Fault injection, lesson 18's style: "raise@N", "hang@N" or "exit@N" makes the last rank fail
+# Fault injection, lesson 17's style: "raise@N", "hang@N" or "exit@N" makes the last rank fail
 # in the ring of layer 1 of its N-th prompt, so rank 0 is mid-ring, waiting for a hop.
 FAULT_ENV = "MINIVLLM_CP_FAULT"
 
@@ -46,7 +46,7 @@ def start_timeout(timeout_s: float, rendezvous_s: float) -> float:
 
 
 def run_flags(folder, dtype: torch.dtype, world: int, nnodes: int) -> control.RunFlags:
-    """What rank 0 and every worker must agree on (lesson 18's flag check at the rendezvous)."""
+    """What rank 0 and every worker must agree on (lesson 17's flag check at the rendezvous)."""
     return control.RunFlags(control.model_fingerprint(folder), str(dtype), world, nnodes, extra="context-parallel")
 
 
@@ -60,7 +60,7 @@ class CPWorkerSpec:
     threads: int
     timeout_s: float
     exact_memory: bool = False        # memory.exact_rss(): peak figures a benchmark can trust
-    master_addr: str = "127.0.0.1"    # where the store and rank 0 are (lesson 18's NodeLaunch)
+    master_addr: str = "127.0.0.1"    # where the store and rank 0 are (lesson 17's NodeLaunch)
     nnodes: int = 1
     rendezvous_timeout_s: float = 60.0
 
@@ -106,7 +106,7 @@ def prefill_share(model, token_ids: list[int], rank: int, world: int, zigzag: bo
 
 
 def worker_main(spec: CPWorkerSpec) -> None:
-    """Entry point of a worker process (spawned by rank 0, or by a headless node: lesson 18's
+    """Entry point of a worker process (spawned by rank 0, or by a headless node: lesson 17's
     `node.run_node(specs, worker_main, "cp")`)."""
     with worker_exit(f"rank {spec.rank}") as state:
         torch.set_num_threads(spec.threads)
@@ -126,7 +126,7 @@ def worker_main(spec: CPWorkerSpec) -> None:
         while True:
             raw = conn.recv_bytes()
             if not raw:
-                break                                 # rank 0 is closing the engine (lesson 18's b"")
+                break                                 # rank 0 is closing the engine (lesson 17's b"")
             data = pickle.loads(raw)
             if data[0] == "hops":                    # the link benchmark (engine.measure_hops)
                 conn.send(("done", time_hops(ring, data[1], data[2])))

@@ -1,8 +1,8 @@
-"""Fault injection for the replicas, lesson 18's style, to test what the front end does.
+"""Fault injection for the replicas, lesson 17's style, to test what the front end does.
 
     MINIVLLM_DP_FAULT=raise@40:1     replica 1's 40th forward raises (its requests fail, it goes on)
     MINIVLLM_DP_FAULT=dead@1         every forward of the last replica raises from the first: 3 faults
-                                     and its engine is dead (lesson 19's rule), the replica exits
+                                     and its engine is dead (lesson 18's rule), the replica exits
     MINIVLLM_DP_FAULT=hang@5:0       replica 0's 5th forward sleeps for an hour: the watchdog's case
 """
 from __future__ import annotations

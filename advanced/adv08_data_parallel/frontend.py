@@ -8,7 +8,7 @@
                           '  a conn at EOF: the replica is gone -> its requests are re-routed
                              (no token yet) or fail with EngineDead and its own account
 
-Where the replicas run (lesson 18's launch.py, control.py, workers.py): the front end is rank 0
+Where the replicas run (lesson 17's launch.py, control.py, workers.py): the front end is rank 0
 and hosts the rendezvous; replica i is rank i+1 and dials it, on this machine or another.
 
     node 0: front end (rank 0) + replicas 0..k-1        node r: python -m advanced.adv08_data_parallel.node
@@ -16,10 +16,10 @@ and hosts the rendezvous; replica i is rank i+1 and dials it, on this machine or
     k = N / nnodes replicas per node (vLLM: --data-parallel-size-local)
     under torchrun: rank 0 is this front end only, rank r > 0 turns into replica r-1 (placement.py)
 
-It has the shape lesson 21's AsyncLLM drives (`stream`, `error`, `shutdown`) and lesson 19's
+It has the shape lesson 20's AsyncLLM drives (`stream`, `error`, `shutdown`) and lesson 18's
 load generator drives (`generate`, `threaded`), so both sit on top unchanged.
 
-Failures, by lesson 19's rules (faults.py): a failed step on a replica ends that step's
+Failures, by lesson 18's rules (faults.py): a failed step on a replica ends that step's
 requests with StepFailed (HTTP 500) and the replica goes on; a replica whose engine is dead,
 that exits, is killed, or hangs, takes only its own requests down: those with no token yet go
 to another replica (the client saw nothing, so nothing is repeated; once only, in case the
@@ -54,7 +54,7 @@ from step19_real_model.params import SamplingParams
 class DPFrontEnd:
     """N engine replicas behind one router; `with DPFrontEnd(...) as front:` or close()."""
     threaded = True                  # the engines run elsewhere: callers just await
-    _thread = None                   # (what lesson 21's AsyncLLM.healthy looks at)
+    _thread = None                   # (what lesson 20's AsyncLLM.healthy looks at)
 
     def __init__(self, model: str | Path | None = None, num_replicas: int = 2, policy: str = "cache_aware", *,
                  dtype: torch.dtype = torch.float32, threads_per_replica: int = 1, max_num_seqs: int = 16,
@@ -62,7 +62,7 @@ class DPFrontEnd:
                  enforce_eager: bool = True, hang_timeout_s: float = 30.0, start_timeout_s: float = 120.0,
                  trace: bool = False, launch: NodeLaunch | None = None, **router_options):
         """policy, router_options: router.create_router's; checked before any process starts.
-        launch: lesson 18's NodeLaunch (default: torchrun's environment if torchrun started this
+        launch: lesson 17's NodeLaunch (default: torchrun's environment if torchrun started this
         process, else every replica on this machine); with nnodes > 1, this is node 0 and the other
         nodes run `python -m advanced.adv08_data_parallel.node`. Under torchrun this is rank 0 and
         every other rank is a replica (node.run_torchrun_replica): world size = num_replicas + 1.
@@ -154,7 +154,7 @@ class DPFrontEnd:
                 raise RuntimeError(f"replica {rep.index} exited with code {rep.proc.exitcode} while starting")
         raise RuntimeError(f"replica {rep.index} (node {rep.node}) was not ready after {timeout_s:g} s")
 
-    # ---- what AsyncLLM (lesson 21) and the load generator (lesson 19) call --------------------
+    # ---- what AsyncLLM (lesson 20) and the load generator (lesson 18) call --------------------
     @property
     def error(self) -> EngineDead | None:
         return self._pool.error
@@ -162,7 +162,7 @@ class DPFrontEnd:
     async def stream(self, prompt_ids: list[int], params: SamplingParams
                      ) -> AsyncIterator[tuple[TokenEvent, dict | None]]:
         """(token event, its logprobs entry or None) as the replica produces them. Leaving early
-        aborts the request on its replica. params: lesson 20's, or lesson 06's (the load generator's)."""
+        aborts the request on its replica. params: lesson 19's, or lesson 06's (the load generator's)."""
         pend = Pending(list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue())
         self._pool.submit(pend)
         done = False
@@ -200,7 +200,7 @@ class DPFrontEnd:
         return [r.stats for r in self._pool.replicas]
 
     def stats(self) -> EngineStats:
-        """All replicas summed: what lesson 21's /metrics serves."""
+        """All replicas summed: what lesson 20's /metrics serves."""
         reports = [s for s in self.replica_stats() if s is not None]
         return EngineStats(*(sum(v) for v in zip(*(vars(s).values() for s in reports)))) if reports \
             else EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0)

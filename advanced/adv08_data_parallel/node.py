@@ -8,11 +8,11 @@
 
 vLLM's shape: node 0 runs the API server and its local engines; the others run `--headless`
 engines that dial node 0 (--data-parallel-address, --data-parallel-start-rank). Here each
-replica dials the front end through lesson 18's store and control socket; the model (by its
+replica dials the front end through lesson 17's store and control socket; the model (by its
 fingerprint), the dtype and the data-parallel size must match node 0's or the replica is refused
 with the field named. The KV size and threads are this machine's own business.
 
-Exit code (lesson 18's node.py, whose run_node this is): 0 when the front end closed, 2 when the
+Exit code (lesson 17's node.py, whose run_node this is): 0 when the front end closed, 2 when the
 rendezvous failed (no front end, or our flags refused), 1 when a replica failed. Ctrl-C or
 SIGTERM stops every replica of this node.
 
@@ -55,7 +55,7 @@ def replica_spec(index: int, num_replicas: int, folder: str, dtype: torch.dtype,
 def run_torchrun_replica(model: str, data_parallel_size: int, dtype: torch.dtype, *, threads: int | None = None,
                          **options) -> None:
     """Under torchrun, on every rank r but 0: be replica r-1, then exit. A no-op elsewhere (call it
-    first thing, before building the front end on rank 0, as lesson 18's run_torchrun_worker).
+    first thing, before building the front end on rank 0, as lesson 17's run_torchrun_worker).
     options: replica_spec's (max_num_seqs, max_num_batched_tokens, kv_cache_bytes, enforce_eager),
     each rank's own like node.py's flags; model, dtype and size are checked against rank 0's."""
     rank = torchrun_rank()

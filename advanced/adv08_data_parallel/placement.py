@@ -1,7 +1,7 @@
 """Where the replicas run: which node holds which replica, started by us or by torchrun.
 
 The rule that holds everywhere: the front end is rank 0 and replica i is rank i + 1, so a run of
-N replicas is a world of N + 1 ranks (lesson 18's "everyone but rank 0 dials rank 0", unchanged).
+N replicas is a world of N + 1 ranks (lesson 17's "everyone but rank 0 dials rank 0", unchanged).
 
     our launch (DPFrontEnd on node 0, node.py elsewhere)   torchrun --nnodes M --nproc-per-node K
     node 0: front end + replicas 0 .. k-1                  rank 0: the front end only (no weights)
@@ -9,7 +9,7 @@ N replicas is a world of N + 1 ranks (lesson 18's "everyone but rank 0 dials ran
     k = N / nnodes (the front end is extra)                world = M*K = N + 1, ranks node by node
 
 Under torchrun the placement is torchrun's own (ranks handed out node by node, K per node), so a
-rank's node is lesson 18's rule; under our own launch the front end rides on top of node 0's share.
+rank's node is lesson 17's rule; under our own launch the front end rides on top of node 0's share.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def replicas_spawned_here(num_replicas: int, launch: NodeLaunch) -> list[int]:
 
 
 class ReplicaSet(WorkerSet):
-    """Lesson 18's WorkerSet with the data-parallel placement: under our own launch, nodes named by
+    """Lesson 17's WorkerSet with the data-parallel placement: under our own launch, nodes named by
     replicas_per_node, because world = N + 1 (the front end) rarely splits evenly over nodes."""
 
     def node_of(self, rank: int) -> int:

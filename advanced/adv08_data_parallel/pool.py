@@ -31,7 +31,7 @@ from step18_benchmark.faults import EngineDead, StepFailed
 from step19_real_model.params import SamplingParams
 
 # A replica's error crosses the connection as its class name and is raised here as the same class, so
-# lesson 21's API answers it as it would for one engine (StepFailed 500, EngineDead 503, ValueError 400).
+# lesson 20's API answers it as it would for one engine (StepFailed 500, EngineDead 503, ValueError 400).
 ERRORS = {"StepFailed": StepFailed, "EngineDead": EngineDead, "ValueError": ValueError, "TypeError": TypeError}
 
 

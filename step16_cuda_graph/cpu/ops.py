@@ -4,7 +4,7 @@ A compiler can only fuse what it can see. torch.compile traces Python into a gra
 PyTorch ops; some of our layers are not PyTorch ops it understands:
 
     the paged attention kernel   a C function called through ctypes (lesson 15; prompt chunks
-                                 on AMX tiles: amx_prefill.cpp): not traceable
+                                 on AMX tiles: lesson 15's amx_prefill.cpp): not traceable
     the packed linear            oneDNN's blocked weight (lesson 14): inductor's own lowering
                                  of `mkldnn._linear_pointwise` rejects it as a graph input
     qk_norm_rope, silu_mul       this lesson's C passes (elementwise.cpp), called through ctypes
@@ -29,9 +29,9 @@ from torch import Tensor
 
 from step14_batched_forward import kernel as lesson14_kernel
 from step14_batched_forward.packed_linear import PackedLinear, replace_modules
+from step15_flash_attention.amx_prefill import amx_prefill, amx_prefill_fits
 from step15_flash_attention.flash_cpu import flash_attention_cpu
 
-AMX_SOURCE = Path(__file__).with_name("amx_prefill.cpp")
 ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.cpp")
 LESSON14_DIR = Path(lesson14_kernel.__file__).parent      # isa.h
 _LIBRARY = torch.library.Library("minivllm", "FRAGMENT")
@@ -75,7 +75,7 @@ def prompts_apart(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Ten
     """A bf16 step with prompt rows: the prompt chunks go to a matrix unit, the decodes to lesson
     15's kernel (a sub-batch of just those sequences).
 
-    Prompt chunks: on a CPU with AMX tiles, one call of amx_prefill.cpp for all of them (keys
+    Prompt chunks: on a CPU with AMX tiles, one call of lesson 15's amx_prefill.cpp for all of them (keys
     read from the pool, where this step's rows were just written); elsewhere torch's SDPA chunk
     by chunk, whose CPU flash kernel does its matmuls through oneDNN. A chunk that starts its
     prompt attends to the step's own k and v, causally; a later chunk to its whole prefix,
@@ -107,45 +107,6 @@ def prompts_apart(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Ten
         out[rows] = flash_attention_cpu(q[rows], k_cache, v_cache, torch.arange(len(decodes) + 1),
                                         seq_lens[idx], block_tables[idx], check=False)
     return out
-
-
-@lru_cache(maxsize=None)
-def amx_library() -> ctypes.CDLL | None:
-    """amx_prefill.cpp built for this CPU, or None where it has no AMX tiles (or no compiler,
-    or MINIVLLM_KERNEL=0)."""
-    lib = lesson14_kernel.build_or_warn(AMX_SOURCE, "AMX prompt attention unavailable, using torch's SDPA",
-                                        (LESSON14_DIR,))
-    if lib is None:
-        return None
-    lib.amx_prefill_available.restype = ctypes.c_int64
-    if not lib.amx_prefill_available():
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.amx_prefill_bf16.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
-    lib.amx_prefill_bf16.restype = ctypes.c_int64
-    return lib
-
-
-def amx_prefill_fits(q: Tensor, k_cache: Tensor) -> bool:
-    """bf16, head_dim a multiple of 32 up to 256, at most 32 query heads per KV head, AMX here."""
-    group, D = q.shape[1] // k_cache.shape[1], q.shape[2]
-    return (q.dtype == torch.bfloat16 and D % 32 == 0 and D <= 256 and group <= 32
-            and amx_library() is not None)
-
-
-def amx_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-                block_tables: Tensor, out: Tensor) -> None:
-    """Rows of `out` of every sequence with more than one query row (metadata checked by the caller)."""
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
-    q = q.contiguous()
-    num_blocks, Hkv, bs, D = k_cache.shape
-    cu, lens, tables = cu_seqlens_q.contiguous(), seq_lens.contiguous(), block_tables.contiguous()
-    status = amx_library().amx_prefill_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cu.data_ptr(),
-                                            lens.data_ptr(), tables.data_ptr(), out.data_ptr(), len(lens),
-                                            tables.shape[1], Hkv, q.shape[1] // Hkv, bs, D, D ** -0.5)
-    if status != 0:
-        raise MemoryError("amx_prefill: no memory for the step's packed keys and values")
 
 
 @library_op("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
@@ -182,7 +143,7 @@ def kernels_library() -> ctypes.CDLL | None:
     """elementwise.cpp built for this CPU (its AVX-512 BF16 build or its portable one: ask
     `lesson14_kernel.isa(lib)`), or None (no compiler, MINIVLLM_KERNEL=0). The element-wise
     passes are bound only if the library exports them (`has_elementwise`); else torch's ops run."""
-    lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "lesson 17's C kernels unavailable, torch's ops run instead",
+    lib = lesson14_kernel.build_or_warn(ELEMENTWISE_SOURCE, "lesson 16's fast-path C kernels unavailable, torch's ops run instead",
                                         (LESSON14_DIR,))
     if lib is None:
         return None

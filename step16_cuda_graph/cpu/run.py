@@ -1,16 +1,16 @@
-"""Lesson 17: the CPU fast path. Lesson 16's engine and lesson 17's, built from the same model,
+"""Lesson 16, part 2: the CPU fast path. Lesson 16's engine with and without its fast path, built from the same model,
 on the same prompts.
 
-1. what lesson 17 builds here: the model transforms (lesson 14's packed linears, q|k|v and
+1. what lesson 16 + fast path builds here: the model transforms (lesson 14's packed linears, q|k|v and
    gate|up fused, the packed linears routed through our op; each returns a new model, the one
    given is left as it was), the runner (each bucket's compiled body called directly, prompt
    steps through a compiled body with a dynamic token count), the packed LM head, the C
    argmax; and how long each engine took to build;
-2. eight chat requests through lesson 16 and lesson 17: same answers, wall time (in bf16 the
+2. eight chat requests through lesson 16 and lesson 16 + fast path: same answers, wall time (in bf16 the
    two round their element-wise chains differently, so the same requests run again in
-   float32, where the tests hold lesson 17 to the tokens of the earlier lessons);
+   float32, where the tests hold lesson 16 + fast path to the tokens of the earlier lessons);
 3. decode throughput at batch 1 and 8 (context ~360 tokens), the two engines taking turns.
-Where this machine cannot compile the step (no C++ compiler), lesson 17's build_engine returns
+Where this machine cannot compile the step (no C++ compiler), the fast path's build_engine returns
 lesson 16's engine, and the script says so.
 """
 from __future__ import annotations
@@ -20,16 +20,16 @@ import time
 import torch
 
 from minivllm_support.cli import base_parser, identity_line
-from minivllm_support.lesson import start_lesson
+from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
-from minivllm_support.workloads import step_turns
+from step16_cuda_graph.decode_timing import step_turns
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams
 from step14_batched_forward import kernel as lesson14_kernel
 from step14_batched_forward.packed_linear import PackedLinear, count_modules
 from step16_cuda_graph import engine as lesson16
 from step16_cuda_graph.run import QUESTIONS, config     # lesson 16's questions and engine settings
-from step16_cuda_graph.cpu import engine as lesson17
+from step16_cuda_graph.cpu import engine as fast_path
 from step16_cuda_graph.cpu import ops
 from step16_cuda_graph.cpu.fused import count_fused
 from step16_cuda_graph.cpu.ops import OpPackedLinear
@@ -48,10 +48,10 @@ def build(name: str, build_engine, model):
 
 
 def describe(engine, model) -> bool:
-    """What lesson 17 changed in the engine it built; False if it is lesson 16's engine."""
+    """What lesson 16 + fast path changed in the engine it built; False if it is lesson 16's engine."""
     runner, m = engine.runner, engine.model
     if not isinstance(runner, CpuGraphRunner):
-        print("  lesson 17 cannot compile the step here (a GPU, no C++ compiler, or another attention backend):"
+        print("  lesson 16 + fast path cannot compile the step here (a GPU, no C++ compiler, or another attention backend):"
               " its build_engine returned lesson 16's engine")
         return False
     layers = model.config.num_layers
@@ -79,7 +79,7 @@ def chat(engines: dict, tok, dtype) -> None:
               f"{eng.num_steps} steps")
     a, b = outs.values()
     print(f"  Q: {QUESTIONS[0]}\n  A: {tok.decode(b[0], skip_special_tokens=True).strip()!r}")
-    print("  " + identity_line("answers of lesson 16 and lesson 17", sum(x == y for x, y in zip(a, b)), len(a), dtype))
+    print("  " + identity_line("answers of lesson 16 and lesson 16 + fast path", sum(x == y for x, y in zip(a, b)), len(a), dtype))
 
 
 def float32_answers(folder, tok) -> None:
@@ -88,8 +88,8 @@ def float32_answers(folder, tok) -> None:
     model = load_model(folder, torch.float32)
     prompts, sp = [chat_prompt_ids(tok, q) for q in QUESTIONS], SamplingParams(temperature=0, max_tokens=48)
     a, b = ([s.output_token_ids for s in build_engine(model, config()).generate(prompts, sp)]
-            for build_engine in (lesson16.build_engine, lesson17.build_engine))
-    print("  float32: " + identity_line("answers of lesson 16 and lesson 17", sum(x == y for x, y in zip(a, b)),
+            for build_engine in (lesson16.build_engine, fast_path.build_engine))
+    print("  float32: " + identity_line("answers of lesson 16 and lesson 16 + fast path", sum(x == y for x, y in zip(a, b)),
                                         len(a), torch.float32) + f" ({time.perf_counter() - t0:.1f} s)")
 
 
@@ -101,15 +101,15 @@ def decode_throughput(engines: dict, batches=(1, 8), context: int = 360, steps: 
         tok_s = {name: b * 1e3 / ms for name, ms in best.items()}
         print(f"  batch {b}: " + ", ".join(f"{name} {t:6.1f} tok/s ({best[name]:5.1f} ms a step)"
                                            for name, t in tok_s.items())
-              + f"  -> lesson 17 / lesson 16 = {tok_s['lesson 17'] / tok_s['lesson 16']:.2f}x")
+              + f"  -> lesson 16 + fast path / lesson 16 = {tok_s['lesson 16 + fast path'] / tok_s['lesson 16']:.2f}x")
 
 
 def main() -> None:
     args = base_parser(__doc__).parse_args()
     dtype, folder, model, tok = start_lesson(args)
     engines = {"lesson 16": build("lesson 16", lesson16.build_engine, model),
-               "lesson 17": build("lesson 17", lesson17.build_engine, model)}
-    describe(engines["lesson 17"], model)
+               "lesson 16 + fast path": build("lesson 16 + fast path", fast_path.build_engine, model)}
+    describe(engines["lesson 16 + fast path"], model)
     print("\neight chat requests, greedy, up to 48 tokens:")
     chat(engines, tok, dtype)
     if dtype != torch.float32:

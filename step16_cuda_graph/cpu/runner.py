@@ -93,7 +93,7 @@ def _layer_body(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, attn: OpA
 
 def packed_lm_head(model) -> PackedLinear | None:
     """A packed copy of the (tied or own) LM head weight, or None where packing does not apply
-    (an own head that lesson 14's pack_linears packed already, or lesson 18's parallel head)."""
+    (an own head that lesson 14's pack_linears packed already, or lesson 17's parallel head)."""
     if model.lm_head is not None and type(model.lm_head) is not nn.Linear:
         return None
     weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

@@ -1,6 +1,6 @@
 """Do our C++ kernels build and compute right on ARM? Checked from an x86 machine.
 
-    python -m minivllm_support.arm_check      (or `make check-arm`)
+    python -m tests.arm_check      (or `make check-arm`)
 
 Every kernel source is cross-compiled by `aarch64-linux-gnu-g++` with the flags lesson 14's
 builder uses on any ARMv8 Linux (`cpu.kernel_flags("aarch64", "Linux")`), compiled then linked
@@ -31,14 +31,14 @@ from minivllm_support import cpu
 CXX, QEMU, SYSROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", Path("/usr/aarch64-linux-gnu")
 INSTALL = "apt-get install g++-aarch64-linux-gnu qemu-user"
 ROOT = Path(__file__).resolve().parent.parent
-S14, S15, S17 = ROOT / "step14_batched_forward", ROOT / "step15_flash_attention", ROOT / "step17_cpu_kernels"
+S14, S15, S16 = ROOT / "step14_batched_forward", ROOT / "step15_flash_attention", ROOT / "step16_cuda_graph" / "cpu"
 # library -> (source, include folders), as each Python binding hands them to build_library
 LIBRARIES = {
     "paged_decode": (S14 / "paged_decode.cpp", ()),
     "flash_attention": (S15 / "flash_attention.cpp", (S14,)),
     "flash_decode": (ROOT / "advanced/adv04_flash_decoding/flash_decode.cpp", (S15, S14)),
-    "amx_prefill": (S17 / "amx_prefill.cpp", (S14,)),
-    "elementwise": (S17 / "elementwise.cpp", (S14,)),
+    "amx_prefill": (S15 / "amx_prefill.cpp", (S14,)),
+    "elementwise": (S16 / "elementwise.cpp", (S14,)),
     "peak": (S15 / "peak.cpp", (S14,)),            # a benchmark: only built, never run here
 }
 Result = tuple[bool, str]                        # (passed, what was measured)
@@ -117,7 +117,7 @@ def attention_cases() -> list[Case]:
     return cases
 
 
-def lesson17_cases() -> list[Case]:
+def fast_path_cases() -> list[Case]:
     from step03_attention.attention import apply_rope
     from step04_transformer.layers import RMSNorm, RotaryEmbedding
     cases = [Case("amx_prefill      stub: amx_prefill_available() = 0", "amx_prefill", "amx_prefill_available", [],
@@ -228,7 +228,7 @@ def main() -> int:
         print(f"arm_check: missing {', '.join(missing)} (Debian/Ubuntu: {INSTALL})")
         return 2
     t0 = time.time()
-    cases = attention_cases() + lesson17_cases()       # inputs and references, on this machine
+    cases = attention_cases() + fast_path_cases()       # inputs and references, on this machine
     t1, results = time.time(), []
 
     def report(ok: bool, label: str, detail: str = "") -> None:
