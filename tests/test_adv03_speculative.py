@@ -55,7 +55,7 @@ def plain(model, config, **kw):
 
 def spec_engine(model, config, **kw):
     """The same engine with speculative decoding."""
-    return build_spec_engine(model, config, lesson=16, use_graph=False, pack_weights=False, **kw)
+    return build_spec_engine(model, config, fast_path=False, use_graph=False, pack_weights=False, **kw)
 
 
 def check_pool(engine) -> None:
@@ -150,7 +150,7 @@ def test_greedy_equals_engine_with_partial_grants_and_preemption(tiny64, propose
     assert spec.tokens_per_forward > 1 and engine.num_steps < len(ref) + sum(p.max_tokens for p in params)
 
 
-def test_lesson17_model_and_several_draft_lengths(tiny64, one_thread):
+def test_fast_path_model_and_several_draft_lengths(tiny64, one_thread):
     """Lesson 16's fast-path engine without graphs: its model transforms (packed, fused q|k|v and gate|up)
     and sampler, under the draft too."""
     prompts = _prompts(tiny64, seed=1)
@@ -165,18 +165,18 @@ def test_lesson17_model_and_several_draft_lengths(tiny64, one_thread):
         assert (engine.spec.drafted > 0) == (k > 0)
 
 
-@pytest.mark.parametrize("lesson", [16, 17])
-def test_recorded_decode_steps_and_verification_steps(tiny64, lesson, one_thread):
+@pytest.mark.parametrize("with_fast_path", [False, True], ids=["capture", "fast_path"])
+def test_recorded_decode_steps_and_verification_steps(tiny64, with_fast_path, one_thread):
     """Lesson 16's runners: steps where no sequence has a guess replay a recorded decode
     step, verification steps (1 + k tokens a sequence) take the prompt-step path (lesson 16's fast path: its
     compiled body with a dynamic token count); the tokens of the same engine without graphs."""
     prompts = _prompts(tiny64, seed=4)[:3]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 12, 20)]
     config = _config(tiny64, max_num_seqs=4)
-    if lesson == 16:
+    if not with_fast_path:
         ref = plain(tiny64, config)
         engine = build_spec_engine(tiny64, config, proposer=NgramProposer(2, 3), num_speculative_tokens=3,
-                                   lesson=16, pack_weights=False, record_now=False)
+                                   fast_path=False, pack_weights=False, record_now=False)
     else:
         ref = fast_path.build_engine(tiny64, config, use_graph=False)
         engine = build_spec_engine(tiny64, config, proposer=NgramProposer(2, 3), num_speculative_tokens=3)
@@ -270,8 +270,8 @@ def test_max_tokens_eos_and_stop_tokens_inside_accepted_runs(tiny64, one_thread)
 def test_rejects_bad_settings(tiny64):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         spec_engine(tiny64, _config(tiny64), num_speculative_tokens=-1)
-    with pytest.raises(ValueError, match="lesson must be 16 or 17"):
-        build_spec_engine(tiny64, _config(tiny64), lesson=15)
+    with pytest.raises(TypeError, match="fast_path must be True or False"):
+        build_spec_engine(tiny64, _config(tiny64), fast_path=16)
     with pytest.raises(TypeError, match="SpecBlockManager"):      # lesson 13's cannot roll back
         lesson16.build_engine(tiny64, _config(tiny64), use_graph=False, engine_class=SpecEngine,
                               block_manager_class=PrefixCachingBlockManager)

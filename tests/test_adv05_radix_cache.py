@@ -106,7 +106,7 @@ def plain(model, config, **kw):
 
 def radix(model, config, **kw):
     """The same engine with the radix cache."""
-    return build_radix_engine(model, config, lesson=16, use_graph=False, pack_weights=False, **kw)
+    return build_radix_engine(model, config, fast_path=False, use_graph=False, pack_weights=False, **kw)
 
 
 def staggered(engine, prompts, params):
@@ -163,7 +163,7 @@ def tiny(tiny_qwen3_dir):
     return load_model(tiny_qwen3_dir, torch.float32)
 
 
-def test_lesson17_engine_under_preemption_equals_lesson13(tiny, one_thread):
+def test_fast_path_engine_under_preemption_equals_lesson13(tiny, one_thread):
     """Lesson 16's fast-path engine without graphs (packed, fused projections), with and without the radix cache."""
     g = torch.Generator().manual_seed(3)
     stem = torch.randint(5, tiny.config.vocab_size, (21,), generator=g).tolist()
@@ -187,7 +187,7 @@ def test_recorded_decode_steps_copy_before_the_replay(tiny, one_thread):
     prompt = torch.randint(5, tiny.config.vocab_size, (10,), generator=torch.Generator().manual_seed(5)).tolist()
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     config = _config(tiny, block_size=4, blocks=24)
-    engine = build_radix_engine(tiny, config, lesson=16, pack_weights=False, record_now=False)
+    engine = build_radix_engine(tiny, config, fast_path=False, pack_weights=False, record_now=False)
     assert isinstance(engine.runner, GraphRunner)
     parent = engine.add_request(prompt, sp)
     engine.step()                                          # prefill: position 10 is inside a block
@@ -205,5 +205,5 @@ def test_recorded_decode_steps_copy_before_the_replay(tiny, one_thread):
 def test_needs_the_radix_parts(tiny):
     with pytest.raises(TypeError, match="RadixScheduler"):
         lesson16.build_engine(tiny, _config(tiny), use_graph=False, engine_class=RadixEngine)
-    with pytest.raises(ValueError, match="lesson must be 16 or 17"):
-        build_radix_engine(tiny, _config(tiny), lesson=13)
+    with pytest.raises(TypeError, match="fast_path must be True or False"):
+        build_radix_engine(tiny, _config(tiny), fast_path=13)

@@ -10,7 +10,7 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step15_flash_attention import flash_cpu
-from step16_cuda_graph.cpu.engine import build_engine as lesson17_engine
+from step16_cuda_graph.cpu.engine import build_engine as fast_path_engine
 from step19_real_model.engine_on_one_page import OnePageEngine, build_engine
 
 needs_kernel = pytest.mark.skipif(flash_cpu.load() is None, reason="no C++ compiler for the kernel")
@@ -34,7 +34,7 @@ def test_one_page_engine_equals_lesson_05(smol_fp32, engine_workload):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_page_engine_equals_lesson_17(tiny_qwen3_dir, dtype):
+def test_one_page_engine_equals_lesson_16_with_its_fast_path(tiny_qwen3_dir, dtype):
     from step04_transformer.loader import load_model
     model = load_model(tiny_qwen3_dir, dtype)
     g = torch.Generator().manual_seed(3)
@@ -45,6 +45,6 @@ def test_one_page_engine_equals_lesson_17(tiny_qwen3_dir, dtype):
                                   max_num_seqs=6, max_num_batched_tokens=16)
     ours = build_engine(model, config)
     assert ours.runner.buckets == [1, 2, 4, 6]
-    ref = [s.output_token_ids for s in lesson17_engine(model, config).generate(prompts, sp)]
+    ref = [s.output_token_ids for s in fast_path_engine(model, config).generate(prompts, sp)]
     assert [s.output_token_ids for s in ours.generate(prompts, sp)] == ref
     assert sum(ours.runner.replays.values()) > 0 and ours.scheduler.block_manager.hit_tokens > 0

@@ -34,7 +34,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.block_manager import PrefixCachingBlockManager
 from step15_flash_attention.engine import Engine
 from step16_cuda_graph import engine as lesson16
-from step16_cuda_graph.cpu import engine as fast_path
+from step16_cuda_graph.cpu import engine as fast_path_engine
 
 from .proposers import Draft, NgramProposer, Proposer
 from .rejection import verify_batch
@@ -194,17 +194,17 @@ class SpeculativeMixin:
 class SpecEngine(SpeculativeMixin, Engine):
     """Lesson 15's engine with speculative decoding. Whatever runner it is given: verification
     steps (1 + k tokens a sequence) take the runner's prompt-step path, steps where no sequence
-    has a guess its recorded decode step (lesson 16 (both parts))."""
+    has a guess its recorded decode step (lesson 16, either part)."""
 
 
 def build_spec_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, proposer: Proposer | None = None,
-                      num_speculative_tokens: int = 4, lesson: int = 17, **options) -> SpecEngine:
-    """Lesson 16's fast-path engine (lesson=16: lesson 16's) with speculative decoding. options: that
-    lesson's build_engine options (use_graph=False: eager steps; with lesson=16 also
-    pack_weights=False: the model's own linears, i.e. lesson 15's engine unpacked)."""
-    builders = {16: lesson16.build_engine, 17: fast_path.build_engine}
-    if lesson not in builders:
-        raise ValueError(f"lesson must be 16 or 17, got {lesson!r}")
+                      num_speculative_tokens: int = 4, fast_path: bool = True, **options) -> SpecEngine:
+    """Lesson 16's engine with its CPU fast path (fast_path=False: graph capture only) with
+    speculative decoding. options: that build_engine's options (use_graph=False: eager steps; with
+    fast_path=False also pack_weights=False: the model's own linears, i.e. lesson 15's engine unpacked)."""
+    if not isinstance(fast_path, bool):
+        raise TypeError(f"fast_path must be True or False, got {fast_path!r}")
     check_num_speculative_tokens(num_speculative_tokens)      # before anything is recorded
-    return builders[lesson](model, config, engine_class=SpecEngine, block_manager_class=SpecBlockManager,
+    build = fast_path_engine.build_engine if fast_path else lesson16.build_engine
+    return build(model, config, engine_class=SpecEngine, block_manager_class=SpecBlockManager,
                             proposer=proposer, num_speculative_tokens=num_speculative_tokens, **options)

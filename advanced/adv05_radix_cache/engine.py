@@ -24,7 +24,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.engine import PrefixCachingScheduler
 from step15_flash_attention.engine import Engine
 from step16_cuda_graph import engine as lesson16
-from step16_cuda_graph.cpu import engine as fast_path
+from step16_cuda_graph.cpu import engine as fast_path_engine
 from advanced.adv05_radix_cache.block_manager import RadixBlockManager
 
 
@@ -112,12 +112,13 @@ class RadixEngine(RadixCacheMixin, Engine):
     """Lesson 15's engine with the radix cache; any runner (lessons 15-16)."""
 
 
-def build_radix_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, lesson: int = 17,
+def build_radix_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, fast_path: bool = True,
                        **options) -> RadixEngine:
-    """Lesson 16's fast-path engine (lesson=16: lesson 16's) with the radix cache. options: that lesson's
-    build_engine options (use_graph=False: eager steps; with lesson=16 also pack_weights=False)."""
-    builders = {16: lesson16.build_engine, 17: fast_path.build_engine}
-    if lesson not in builders:
-        raise ValueError(f"lesson must be 16 or 17, got {lesson!r}")
-    return builders[lesson](model, config, engine_class=RadixEngine, scheduler_class=RadixScheduler,
+    """Lesson 16's engine with its CPU fast path (fast_path=False: graph capture only) with the
+    radix cache. options: that build_engine's options (use_graph=False: eager steps; with
+    fast_path=False also pack_weights=False)."""
+    if not isinstance(fast_path, bool):
+        raise TypeError(f"fast_path must be True or False, got {fast_path!r}")
+    build = fast_path_engine.build_engine if fast_path else lesson16.build_engine
+    return build(model, config, engine_class=RadixEngine, scheduler_class=RadixScheduler,
                             block_manager_class=RadixBlockManager, **options)
