@@ -123,7 +123,7 @@ def fast_path_cases() -> list[Case]:
     cases = [Case("amx_prefill      stub: amx_prefill_available() = 0", "amx_prefill", "amx_prefill_available", [],
                   lambda o: (o["ret"] == 0, f"returned {o['ret']}"), ret="i64")]
     g = torch.Generator().manual_seed(0)
-    # elementwise.cpp against lesson 04's bf16 code, as tests/test_step16_cuda_graph.cpu.py compares them
+    # elementwise.cpp against lesson 04's bf16 code, as tests/test_step16_cpu_fast_path.py compares them
     T, nh, nkv, D, inner = 37, 4, 2, 64, 96
     qkv = torch.randn(T, (nh + 2 * nkv) * D, generator=g).bfloat16()
     q_norm, k_norm = RMSNorm(D, 1e-6).bfloat16(), RMSNorm(D, 1e-6).bfloat16()
