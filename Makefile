@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: demo test test-baseline install clean-cache compare-vllm check-arm figures soak
+.PHONY: demo test test-slow test-baseline install clean-cache compare-vllm check-arm figures soak
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
@@ -22,7 +22,12 @@ demo: $(STAMP)
 	$(PY) -m step19_real_model.demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m 'not slow'
+
+# What `make test` leaves out: the two-machine runs on loopback and the multi-process runs on the
+# embedded model (tests marked slow, about two minutes). CI runs them after `make test`.
+test-slow: $(STAMP)
+	$(PY) -m pytest tests -m slow
 
 # The suite (or BASELINE_TESTS) again as on an AVX2-only x86 CPU (minivllm_support/cpu.py): kernels built for
 # x86-64-v3, bf16 not native (dtype auto = fp32), torch's oneDNN/MKL/ATen capped at AVX2.

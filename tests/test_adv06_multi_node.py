@@ -20,6 +20,10 @@ from advanced.adv06_pipeline_parallel.engine import PPEngine
 from tests.processes import free_port, gone, kill_tree, start_node, torchrun_tokens
 from tests.test_adv06_pipeline_parallel import _generate_until_failure, _prompts
 
+
+# Two 'machines' on loopback, torchrun included: about a minute for the four files; CI runs them (make test-slow).
+pytestmark = pytest.mark.slow
+
 CONFIG = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

@@ -140,6 +140,7 @@ def test_pp3_equals_single_process_on_tiny_with_micro_batches_in_flight(tiny4, n
         engine.step()
 
 
+@pytest.mark.slow
 def test_pp2_two_in_flight_equals_one_process_on_smollm2(smol_dir, smol_fp32, smol_prompts, no_leftovers):
     """The embedded model in fp32: 2 stages, 2 micro-batches in flight, prompts chunked by 24
     tokens; the reference is lesson 16's fast-path engine in one process. Greedy, stopping at EOS."""

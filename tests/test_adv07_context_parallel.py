@@ -133,6 +133,7 @@ def test_cp2_and_cp3_leave_the_single_process_kv_and_tokens(tiny_qwen3_dir, tmp_
         engine.close()                                   # idempotent
     assert torch.get_num_threads() == threads            # rank 0's thread count restored
 
+@pytest.mark.slow
 def test_cp2_equals_the_single_process_engine_on_smollm2(smol_dir, smol_tokenizer, no_leftovers):
     text = ("Here are some notes about the sea, the weather and the boats in the harbour. " * 7
             + "Summarise the notes in one sentence.")

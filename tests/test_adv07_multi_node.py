@@ -23,6 +23,10 @@ from step16_cuda_graph.cpu.engine import build_engine
 from tests.processes import fake_torchrun_env, free_port, gone, kill_tree, torchrun_tokens
 from tests.test_adv07_context_parallel import CONFIG, _prompt
 
+
+# Two 'machines' on loopback, torchrun included: about a minute for the four files; CI runs them (make test-slow).
+pytestmark = pytest.mark.slow
+
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 # Rank 1 never gets past run_torchrun_rank: it serves rank 0's prefills and exits when the engine closes.

@@ -26,6 +26,9 @@ from tests.processes import fake_torchrun_env, free_port, gone, kill_tree, new_c
 from tests.test_adv08_data_parallel import WAIT_S, _greedy, _run, _tokens
 
 
+# Two 'machines' on loopback, torchrun included: about a minute for the four files; CI runs them (make test-slow).
+pytestmark = pytest.mark.slow
+
 def _node1(folder, port: int, *extra: str):
     return start_node("advanced.adv08_data_parallel.node", folder, port, "--data-parallel-size", "2",
                       "--kv-mib", "16", *extra)

@@ -1,3 +1,4 @@
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,6 +77,7 @@ def test_same_prefix_admitted_in_the_same_step(smol_fp32, smol_tokenizer):
     check_invariants(bm, [])
 
 
+@pytest.mark.slow
 def test_preempting_a_sequence_that_holds_shared_blocks(smol_fp32, smol_tokenizer):
     prompts = [chat_prompt_ids(smol_tokenizer, q, system=SYSTEM) for q in
                ("When do you open?", "Do you sell croissants?", "Where are you?", "Are you open on Monday?")]

@@ -18,6 +18,10 @@ from step17_tensor_parallel.launch import NodeLaunch, placement, placement_table
 from step17_tensor_parallel.node import run_torchrun_worker
 from tests.processes import fake_torchrun_env, free_port, gone, kill_tree, new_children, start_node, torchrun_tokens
 
+
+# Two 'machines' on loopback, torchrun included: about a minute for the four files; CI runs them (make test-slow).
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 9, 33, 7] * 5, list(range(40, 57)), [3, 4]]
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 CONFIG = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)

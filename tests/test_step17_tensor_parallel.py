@@ -209,6 +209,7 @@ def test_tp2_and_tp4_equal_tp1_on_tiny_qwen3(tiny_qwen3_dir, all_reduce, no_left
         assert st.num_preemptions > 0 and st.prefix_cache_hits > 0, (tp, st)
 
 
+@pytest.mark.slow
 def test_tp3_equals_lesson05_on_smollm2(smol_dir, engine_workload, no_leftovers):
     """The embedded model split 3 ways (3 query heads and 1 KV head per rank), chunked prefill,
     a pool small enough to preempt, then the same requests again for prefix-cache hits."""
