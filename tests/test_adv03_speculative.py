@@ -187,6 +187,7 @@ def test_recorded_decode_steps_and_verification_steps(tiny64, with_fast_path, on
     assert engine.spec.drafted > 0 and sum(engine.runner.replays.values()) > 0
 
 
+@pytest.mark.slow
 def test_embedded_model_greedy_equals_engine(smol_fp32, smol_tokenizer, one_thread):
     questions = ["Repeat exactly: the quick brown fox jumps over the lazy dog.",
                  "Rewrite this code with `x` renamed to `y`:\n\n```python\nx = 1\nprint(x + 1)\n```",

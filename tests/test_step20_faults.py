@@ -123,6 +123,7 @@ def _health(base: str) -> int | None:
         return None
 
 
+@pytest.mark.slow
 def test_repeated_faults_make_the_server_exit_with_code_3(tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"

@@ -308,6 +308,7 @@ def test_metrics_parse_and_move(server):
     assert after["vllm:inter_token_latency_seconds_count"] == before["vllm:inter_token_latency_seconds_count"] + 4
 
 
+@pytest.mark.slow
 def test_python_m_serves_with_the_engine_in_the_main_thread_and_stops_on_sigint(smol_dir):
     """`python -m step20_http_serve`: the engine loop in the main thread, uvicorn in a helper
     thread; a request is answered, /health is 200, and Ctrl+C (SIGINT) ends it cleanly."""
