@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = (sorted(ROOT.glob("step[0-9][0-9]_*/run.py")) + sorted(ROOT.glob("step[0-9][0-9]_*/*/run.py")) + sorted(ROOT.glob("advanced/adv[0-9][0-9]_*/run.py"))
            + sorted(ROOT.glob("step[0-9][0-9]_*/bench.py")) + sorted(ROOT.glob("step[0-9][0-9]_*/*/bench.py"))
            + [ROOT / "step18_benchmark" / n for n in ("microbench.py", "profile_decode.py", "vllm_bench.py")]
-           + [ROOT / "step20_http_serve" / "soak.py"]
+           + [ROOT / "step20_http_serve" / "soak.py", ROOT / "step19_real_model" / "demo.py"]
            + sorted(ROOT.glob("step[0-9][0-9]_*/node.py")) + sorted(ROOT.glob("advanced/adv[0-9][0-9]_*/node.py")))
 
 
