@@ -17,7 +17,7 @@ Where nothing applies (ARM: not measured there), `pack_linears` returns the mode
 
 `pack_linears` is a *model transform*: a function the caller applies before handing the model
 to an engine (as gpt-fast's `apply_tp`), which returns a new model and leaves its argument as
-it was (`replace_modules`). Lesson 16's fast path (fused projections), 18 (sharding) and the advanced
+it was (`replace_modules`). Lesson 16's fast path (fused projections), lesson 17 (sharding) and the advanced
 quantization lesson add transforms of the same shape.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Advanced lesson 01: RTN quantization stays within half a step of the grid; the int8/int4
 linears equal a matmul with their dequantized weights (bit for bit for the weights themselves);
 the GGUF file's Q4_1 blocks reach the int4 kernel with exactly the file's values; the quantized
-model in lesson 16/17's engine and lesson 19's LLM API generates the same greedy tokens as a plain forward
+model in lesson 16's engine (either part) and lesson 19's LLM API generates the same greedy tokens as a plain forward
 with the dequantized weights; bad input names the problem."""
 from __future__ import annotations
 

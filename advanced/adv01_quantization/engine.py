@@ -4,7 +4,7 @@ The engine never sees a quantization scheme: it calls `model(input_ids, position
 and the model calls its linears. Quantization is a model transform (linear.py), applied
 before the model is handed to an engine, as lesson 14's packing is:
 
-    engine = build_engine(quantize_model(model, W8A16), config, use_graph=False)   # lesson 16's or 17's
+    engine = build_engine(quantize_model(model, W8A16), config, use_graph=False)   # lesson 16's, either part
     llm = quantized_llm(scheme=W8A16)            # lesson 19's LLM, its model's linears int8
     llm, report = q4_1_llm()                     # the embedded SmolLM2 on its own Q4_1 blocks
     llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16))
@@ -43,7 +43,7 @@ def _check_engine(engine) -> None:
 
 
 def use_model_(engine, model: nn.Module) -> None:
-    """Give an eager engine (lesson 15's, or lesson 16's/17's with use_graph=False) another model
+    """Give an eager engine (lesson 15's, or lesson 16's, either part, with use_graph=False) another model
     of the same shape: its KV pool, scheduler and sampler stay; a new eager runner calls `model`."""
     _check_engine(engine)
     if model.config != engine.model.config:

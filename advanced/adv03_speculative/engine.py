@@ -18,7 +18,7 @@ One engine step, with k draft tokens per decoding sequence:
                    stop tokens: nothing is kept past the first token that ends the request.
 
 The engine is lesson 15's `Engine` with the mixin in front (`SpecEngine`), given its parts by
-lesson 16's or 17's `build_engine`: `build_spec_engine` passes it the engine class, the block
+lesson 16's `build_engine` (either part): `build_spec_engine` passes it the engine class, the block
 manager class and the mixin's two options.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ What changes against lesson 13:
   - `fork(seq)` starts a second sequence on the same K/V (parallel sampling, a branch of a
     conversation), sharing every block until one of them writes into a shared one.
 The forward, the pool and the attention backends are untouched. RadixEngine is lesson 15's
-Engine with the mixin; `build_radix_engine` has lesson 16's or 17's build_engine give it the
+Engine with the mixin; `build_radix_engine` has lesson 16's build_engine (either part) give it the
 radix scheduler and block manager as parts.
 """
 from __future__ import annotations

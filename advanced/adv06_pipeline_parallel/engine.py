@@ -1,4 +1,4 @@
-"""Lesson 15/17's engine over `pipeline_parallel_size` processes, with micro-batches in flight.
+"""Lesson 15's engine (with lesson 16's fast-path model) over `pipeline_parallel_size` processes, with micro-batches in flight.
 
     rank 0 (the user process)                 rank 1                    ... rank p-1 (last stage)
     m virtual engines: scheduler + blocks     layers of stage 1             its layers, final norm

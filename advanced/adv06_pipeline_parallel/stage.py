@@ -68,7 +68,7 @@ class MissingLayer(nn.Module):
 
 class DtypeProbe(nn.Module):
     """Where a middle stage's embedding would be: no weights, but `.weight` tells the dtype and
-    device, which lesson 14/17's model transforms read from `model.model.embed_tokens.weight`."""
+    device, which the model transforms of lessons 14 and 16 read from `model.model.embed_tokens.weight`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

