@@ -72,7 +72,7 @@ def sampled_rows(batch: ScheduledBatch) -> list[int]:
 
 def _release(procs: list, conns: list[Connection], shm_path: str | None, threads: int,
              wait_s: float = 5.0) -> None:
-    """Everything an engine holds outside its own objects: processes, the group, a shm file."""
+    """Everything an engine holds outside its own objects: processes, the worker set, a shm file."""
     shutdown(procs, conns, wait_s)
     if shm_path and os.path.exists(shm_path):
         os.unlink(shm_path)
@@ -159,7 +159,7 @@ class TPEngine(Engine):
             except OSError as e:
                 warnings.warn(f"no room for the shared-memory all-reduce ({e}); using gloo")
                 self.all_reduce = "gloo"
-        self.group = ws = WorkerSet(launch, tp, "tp")
+        self.worker_set = ws = WorkerSet(launch, tp, "tp")
         self.workers, self.conns, self.ranks = ws.procs, ws.conns, ws.ranks
         for rank in ws.local_ranks():
             ws.spawn(rank, worker_main, WorkerSpec(str(folder), rank, tp, ws.port, dtype, threads, timeout_s,
@@ -205,7 +205,7 @@ class TPEngine(Engine):
         if self.tp == 1:
             return super().step()
         try:
-            self.group.check_alive()
+            self.worker_set.check_alive()
             return super().step()
         except BaseException as e:
             raise self._fail(e) from e
@@ -213,7 +213,7 @@ class TPEngine(Engine):
     # ---- faults and shutdown ----------------------------------------------------------------
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' account if they have one."""
-        report = self.group.report() if self.tp > 1 else ""
+        report = self.worker_set.report() if self.tp > 1 else ""
         self.close(wait_s=0.1)            # they are mid-step: no point waiting for a clean stop
         blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
             or "Traceback" in report or "connection lost" in report

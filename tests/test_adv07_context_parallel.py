@@ -221,7 +221,7 @@ def test_a_second_node_gives_the_same_tokens(tiny_qwen3_dir, no_leftovers):
         launch = NodeLaunch(nnodes=2, node_rank=0, master_port=port, rendezvous_timeout_s=30)
         with CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
                       timeout_s=20, min_cp_tokens=8, launch=launch) as engine:
-            assert engine.workers == [] and engine.group.ranks == [1]          # rank 1 lives on "node 1"
+            assert engine.workers == [] and engine.worker_set.ranks == [1]          # rank 1 lives on "node 1"
             assert engine.generate([prompt], sp)[0].output_token_ids == want
             assert engine.last_prefill["layout"].T == len(prompt)              # it went over the ring
             engine.zigzag = False           # contiguous: rank 1 holds the last token and sends its row

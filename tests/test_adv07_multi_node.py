@@ -44,7 +44,7 @@ sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 try:
     with CPEngine(folder, config, context_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
                   timeout_s=20, min_cp_tokens=8) as engine:
-        assert engine.workers == [] and engine.group.ranks == [1]     # torchrun started rank 1
+        assert engine.workers == [] and engine.worker_set.ranks == [1]     # torchrun started rank 1
         tokens = [engine.generate([prompt], sp)[0].output_token_ids]
         assert engine.last_prefill["layout"].T == len(prompt)         # it went over the ring
         engine.zigzag = False            # contiguous: rank 1 holds the last token and sends its row

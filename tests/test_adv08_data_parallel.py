@@ -212,8 +212,8 @@ def test_failed_step_and_dead_engine_stay_on_their_replica(tiny_qwen3_dir, monke
         while front.alive()[1] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert front.alive() == [True, False]
-        assert "3 faults within 60 s" in front._pool.replicas[1].account    # the replica's own words
-        assert front._pool.replicas[1].proc.exitcode == 3         # lesson 20's EXIT_ENGINE_DEAD
+        assert "3 faults within 60 s" in front._hub.replicas[1].account    # the replica's own words
+        assert front._hub.replicas[1].proc.exitcode == 3         # lesson 20's EXIT_ENGINE_DEAD
         assert _run(_tokens(front, [9] * 8))                     # the live replica serves on
     assert _none_left(pids)
 
@@ -226,7 +226,7 @@ def test_hung_then_killed_replicas_fail_or_reroute_their_requests_in_seconds(tin
         tokens = _run(_tokens(front, [9] * 8))                # replica 0 hangs; stopped; re-routed to 1
         assert tokens == _run(_tokens(front, [9] * 8))        # what replica 1 makes of it, as if nothing happened
         assert front.alive() == [False, True]
-        account = front._pool.replicas[0].account
+        account = front._hub.replicas[0].account
         assert "hung" in account and "sleep" in account        # the replica's own stack
 
         async def killed_midway():                          # tokens came, then the error: never silence
@@ -260,7 +260,7 @@ def test_abort_frees_the_request_and_garbage_collection_leaves_no_process(tiny_q
     (tl,) = front.timelines()                               # the replica's engine steps, on our clock
     assert tl.spans and {s.cat for s in tl.spans} == {"compute"} and not validate_trace(chrome_trace([tl]))
     # Its clock offset, measured when it started (answer_offset over its connection): one machine, ~0.
-    assert tl.offset_ns == front._pool.replicas[0].offset_ns and abs(tl.offset_ns) < 50_000_000
+    assert tl.offset_ns == front._hub.replicas[0].offset_ns and abs(tl.offset_ns) < 50_000_000
     assert front.timelines()[0].spans == []                 # taken: the next call starts afresh
     pids = front.pids()
     del front

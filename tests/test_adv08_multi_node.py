@@ -59,7 +59,7 @@ def test_two_nodes_serve_one_engines_tokens_then_node1_dies_and_only_its_request
     node1 = _node1(tiny_qwen3_dir, port)
     try:
         with _two_nodes(tiny_qwen3_dir, port, trace=True) as front:
-            rep0, rep1 = front._pool.replicas
+            rep0, rep1 = front._hub.replicas
             assert rep0.proc is not None and rep1.proc is None and rep1.node == 1   # replica 1: node 1's
 
             async def all_at_once():
@@ -124,7 +124,7 @@ async def tokens(front):
     return await asyncio.gather(*(one(p) for p in prompts))
 
 with DPFrontEnd(folder, 1, "round_robin", dtype=torch.float32, kv_cache_bytes=16 << 20, trace=True) as front:
-    (rep,) = front._pool.replicas
+    (rep,) = front._hub.replicas
     assert rep.proc is None and rep.node == 1, (rep.proc, rep.node)       # torchrun's rank 1, on node 1
     out = asyncio.run(tokens(front))
     (tl,) = front.timelines()

@@ -109,7 +109,7 @@ class PPEngine(LLMEngine):
                              launch.master_addr, launch.nnodes, launch.rendezvous_timeout_s, tp, rank % tp)
         try:
             if world > 1:
-                self.group = ws = WorkerSet(launch, world, "pp", "pipeline")
+                self.worker_set = ws = WorkerSet(launch, world, "pp", "pipeline")
                 self.workers, self.conns = ws.procs, ws.conns
                 for rank in ws.local_ranks():
                     ws.spawn(rank, stage_worker_main, spec(rank, ws.port))
@@ -169,7 +169,7 @@ class PPEngine(LLMEngine):
             raise RuntimeError("this PPEngine is closed (after close() or a worker failure): make a new one")
         try:
             if self.world > 1:
-                self.group.check_alive()
+                self.worker_set.check_alive()
             v = self.virtual[self._next % len(self.virtual)]
             self._next += 1
             done = self._complete(v) if v.in_flight else []
@@ -250,7 +250,7 @@ class PPEngine(LLMEngine):
     # ---- faults and shutdown: lesson 17's WorkerSet, naming the stage ----------------------
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' own account if they have one."""
-        report = self.group.report() if self.world > 1 and hasattr(self, "group") else ""
+        report = self.worker_set.report() if self.world > 1 and hasattr(self, "worker_set") else ""
         self.close(wait_s=0.1)
         blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
             or "Traceback" in report or "connection lost" in report

@@ -101,10 +101,10 @@ class CPEngine(Engine):
         if exact_memory:       # the pool resident now: a prefill's peak is then activations only
             for t in self.kv_pool.k + self.kv_pool.v:
                 t.zero_()
-        self._finalizer, self.offsets, self.group = None, [], None
+        self._finalizer, self.offsets, self.worker_set = None, [], None
         if cp == 1:
             return
-        self.group = ws = WorkerSet(launch, cp, "cp", "context-parallel")
+        self.worker_set = ws = WorkerSet(launch, cp, "cp", "context-parallel")
         self.workers, self.conns = ws.procs, ws.conns
         for rank in ws.local_ranks():
             ws.spawn(rank, worker_main, CPWorkerSpec(str(folder), rank, cp, ws.port, dtype, threads, timeout_s,
@@ -221,7 +221,7 @@ class CPEngine(Engine):
     # ---- faults and shutdown -------------------------------------------------------------------
     def _receive(self, i: int, kind: str, timeout_s: float) -> dict:
         """Worker i's next message, which must be `kind`; its error, its death or silence raise."""
-        conn, rank, deadline = self.conns[i], self.group.ranks[i], time.monotonic() + timeout_s
+        conn, rank, deadline = self.conns[i], self.worker_set.ranks[i], time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 if conn.poll(0.05):
@@ -233,12 +233,12 @@ class CPEngine(Engine):
                     return info
             except (EOFError, OSError) as e:
                 raise WorkerFailed(f"context-parallel rank {rank} closed its connection") from e
-            self.group.check_alive()
+            self.worker_set.check_alive()
         raise WorkerFailed(f"context-parallel rank {rank}: no {kind!r} within {timeout_s:.0f} s")
 
     def _fail(self, error: BaseException) -> BaseException:
         """Close everything; return the error to raise: the workers' account if they have one."""
-        report = self.group.report() if self.group else ""
+        report = self.worker_set.report() if self.worker_set else ""
         self.close(wait_s=0.1)
         blamed = isinstance(error, (WorkerFailed, parallel.CollectiveError)) or "process ended" in report \
             or "Traceback" in report or "connection lost" in report

@@ -25,7 +25,7 @@ that exits, is killed, or hangs, takes only its own requests down: those with no
 to another replica (the client saw nothing, so nothing is repeated; once only, in case the
 request itself is what kills replicas), the others end with EngineDead (503) naming the
 replica and what it said. New requests go to the live replicas; with none left, EngineDead.
-The collector's side of this (who is in flight where, who hears what) is pool.py.
+The collector's side of this (who is in flight where, who hears what) is hub.py.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from typing import AsyncIterator
 import torch
 
 from advanced.adv08_data_parallel.placement import ReplicaSet, replicas_spawned_here
-from advanced.adv08_data_parallel.pool import Pending, ReplicaHandle, ReplicaPool, Reroute
+from advanced.adv08_data_parallel.hub import Pending, ReplicaHandle, ReplicaHub, Reroute
 from advanced.adv08_data_parallel.replica import ReplicaSpec, replica_main
 from advanced.adv08_data_parallel.router import CacheAware, Router, create_router
 from minivllm_support.models import resolve_model
@@ -92,9 +92,9 @@ class DPFrontEnd:
             raise
         replicas = [ReplicaHandle(rank - 1, ws.proc(rank), conn, node=ws.node_of(rank))
                     for rank, conn in zip(ws.ranks, ws.conns)]
-        self._pool = ReplicaPool(replicas, self.router, hang_timeout_s)
+        self._hub = ReplicaHub(replicas, self.router, hang_timeout_s)
         # Runs at garbage collection or at interpreter exit, unless close() ran first.
-        self._finalizer = weakref.finalize(self, self._pool.close)
+        self._finalizer = weakref.finalize(self, self._hub.close)
         try:
             self.facts = [self._start(r, start_timeout_s, trace) for r in replicas]
         except BaseException:
@@ -104,23 +104,23 @@ class DPFrontEnd:
             r.pid = f["pid"]
         self.pool_tokens = min(f["num_blocks"] * f["block_size"] for f in self.facts)
         self.set_policy(policy, num_replicas, **router_options)         # now it can size its trees
-        self._pool.thread.start()
+        self._hub.thread.start()
 
     def set_policy(self, policy: str, num_replicas: int | None = None, **router_options) -> Router:
         """A fresh router (run.py compares policies on the same replicas). A cache-aware router's
         trees hold as many tokens as one replica's KV pool unless tree_tokens says otherwise."""
-        pool = getattr(self, "_pool", None)
-        n = num_replicas or len(pool.replicas)
-        if pool is not None and any(r.live for r in pool.replicas):
+        hub = getattr(self, "_hub", None)
+        n = num_replicas or len(hub.replicas)
+        if hub is not None and any(r.live for r in hub.replicas):
             raise RuntimeError("set_policy: requests are in flight; change the policy between runs")
         if policy == CacheAware.name and hasattr(self, "pool_tokens"):
             router_options.setdefault("tree_tokens", self.pool_tokens)
         self.router = create_router(policy, n, **router_options)
-        for i, alive in enumerate(self.alive() if pool is not None else []):
+        for i, alive in enumerate(self.alive() if hub is not None else []):
             if not alive:
                 self.router.forget(i)
-        if pool is not None:
-            pool.router = self.router
+        if hub is not None:
+            hub.router = self.router
         return self.router
 
     def _start(self, rep: ReplicaHandle, timeout_s: float, trace: bool) -> dict:
@@ -157,20 +157,20 @@ class DPFrontEnd:
     # ---- what AsyncLLM (lesson 20) and the load generator (lesson 18) call --------------------
     @property
     def error(self) -> EngineDead | None:
-        return self._pool.error
+        return self._hub.error
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams
                      ) -> AsyncIterator[tuple[TokenEvent, dict | None]]:
         """(token event, its logprobs entry or None) as the replica produces them. Leaving early
         aborts the request on its replica. params: lesson 19's, or lesson 06's (the load generator's)."""
         pend = Pending(list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue())
-        self._pool.submit(pend)
+        self._hub.submit(pend)
         done = False
         try:
             while True:
                 item = await pend.queue.get()
                 if isinstance(item, Reroute):
-                    self._pool.submit(pend)
+                    self._hub.submit(pend)
                     continue
                 if isinstance(item, BaseException):
                     done = True
@@ -181,7 +181,7 @@ class DPFrontEnd:
                     return
         finally:
             if not done:
-                self._pool.abort(pend)
+                self._hub.abort(pend)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> AsyncIterator[TokenEvent]:
         events = self.stream(prompt_ids, params or SamplingParams())
@@ -197,7 +197,7 @@ class DPFrontEnd:
     # ---- what the lesson reads ----------------------------------------------------------------
     def replica_stats(self) -> list[EngineStats | None]:
         """Each replica's last report (the engine's own counters)."""
-        return [r.stats for r in self._pool.replicas]
+        return [r.stats for r in self._hub.replicas]
 
     def stats(self) -> EngineStats:
         """All replicas summed: what lesson 20's /metrics serves."""
@@ -207,13 +207,13 @@ class DPFrontEnd:
 
     def routed(self) -> list[int]:
         """Requests sent to each replica so far (re-routed ones count where they went, too)."""
-        return list(self._pool.routed)
+        return list(self._hub.routed)
 
     def timelines(self, timeout_s: float = 5.0) -> list[Timeline]:
         """Each live replica's engine steps since the last call (trace=True), as lesson-wide
         Timelines on this process's clock: each carries the offset measured when it started (about 0
         on this machine, whose processes share one monotonic clock; anything on another)."""
-        asked = [r for r in self._pool.replicas if r.alive]
+        asked = [r for r in self._hub.replicas if r.alive]
         for r in asked:
             r.timeline = None
             r.send(("timeline",))
@@ -224,17 +224,17 @@ class DPFrontEnd:
                 for r in asked if r.timeline is not None]
 
     def alive(self) -> list[bool]:
-        return [r.alive for r in self._pool.replicas]
+        return [r.alive for r in self._hub.replicas]
 
     def pids(self) -> list[int]:
         """Each replica's process id, on its own machine."""
-        return [r.pid for r in self._pool.replicas]
+        return [r.pid for r in self._hub.replicas]
 
     # ---- shutdown -----------------------------------------------------------------------------
     def close(self, wait_s: float = 5.0) -> None:
         """Stop every replica (ask, then terminate, then kill) and end what is in flight. Idempotent."""
         if self._finalizer.detach() is not None:
-            self._pool.close(wait_s)
+            self._hub.close(wait_s)
 
     shutdown = close
 

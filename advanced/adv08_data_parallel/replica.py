@@ -137,7 +137,7 @@ def replica_main(spec: ReplicaSpec) -> None:
     except SystemExit:
         raise
     except BaseException:
-        try:   # while starting, lesson 17's WorkerSet convention; afterwards, the pool's
+        try:   # while starting, lesson 17's WorkerSet convention; afterwards, the front end's hub's
             conn.send(("dead" if ready else "error", f"replica {spec.index} (pid {os.getpid()}):\n"
                        f"{traceback.format_exc()}"))
         except (OSError, ValueError):

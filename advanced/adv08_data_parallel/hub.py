@@ -90,7 +90,7 @@ class ReplicaHandle:
             self.lock.release()
 
 
-class ReplicaPool:
+class ReplicaHub:
     """Everything the collector thread touches. It holds no reference to the DPFrontEnd, so an
     unreachable front end is garbage-collected and its finalizer stops the replicas."""
 
