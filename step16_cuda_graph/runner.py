@@ -120,7 +120,7 @@ class GraphRunner(ModelRunner):
             body = types.FunctionType(_layer_body.__code__.replace(), _layer_body.__globals__, "layer_body")
             self.layer_body = torch.compile(body, dynamic=False, fullgraph=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self.graph_pool = None
+        self.graph_memory = None
         self.ready: set[int] = set()
         self.replays = {b: 0 for b in self.buckets}       # steps run per bucket
 
@@ -200,9 +200,9 @@ class GraphRunner(ModelRunner):
         if self.mode == "cuda-graph":
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):    # one memory pool for all buckets
+            with torch.cuda.graph(graph, pool=self.graph_memory):    # one memory region (torch: "pool") for all buckets
                 out = self.decode(b)
-            self.graph_pool = graph.pool()
+            self.graph_memory = graph.pool()
             self.graphs[b] = (graph, out)
         self.ready.add(b)
 
