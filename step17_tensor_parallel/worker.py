@@ -25,6 +25,7 @@ import torch
 from step14_batched_forward.packed_linear import pack_linears
 from step15_flash_attention.backends import choose_backend
 from step17_tensor_parallel import control, parallel
+from step17_tensor_parallel.lifeline import die_with_parent
 from step17_tensor_parallel.loader import load_tp_model
 from step17_tensor_parallel.metadata import MetadataAttention, StepMetadata
 from step17_tensor_parallel.shm_allreduce import ShmAllReduce
@@ -80,7 +81,9 @@ class WorkerExit:
 def worker_exit(label: str) -> Iterator[WorkerExit]:
     """How every worker process ends (this lesson's and the advanced lessons' engines): quietly
     when rank 0 is gone or on Ctrl-C; with exit code 2 when the rendezvous failed (nobody to
-    tell); otherwise its traceback goes to rank 0 and it exits 1. It always leaves the group."""
+    tell); otherwise its traceback goes to rank 0 and it exits 1. It always leaves the process
+    group. And it never outlives the process that started it (lifeline.py)."""
+    die_with_parent()
     state = WorkerExit(label)
     try:
         yield state

@@ -42,6 +42,7 @@ import torch
 from advanced.adv08_data_parallel.faults import FAULT_ENV, arm_fault, parse_fault
 from step18_benchmark.faults import EngineDead, FaultPolicy
 from minivllm_support.timeline import Timeline, answer_offset
+from step17_tensor_parallel.lifeline import die_with_parent
 from step17_tensor_parallel import control, parallel
 from step17_tensor_parallel.control import RendezvousError
 from step19_real_model.engine import build_engine
@@ -105,7 +106,9 @@ def dial_front_end(spec: ReplicaSpec) -> Connection:
 
 
 def replica_main(spec: ReplicaSpec) -> None:
-    """Entry point of a replica process (spawned by the front end on node 0, or by node.py)."""
+    """Entry point of a replica process (spawned by the front end on node 0, or by node.py). It
+    never outlives the process that started it (lesson 17's lifeline.py)."""
+    die_with_parent()
     try:
         conn = dial_front_end(spec)
     except (RendezvousError, OSError) as e:     # no front end, or it refused our flags: say so, exit 2

@@ -1,0 +1,142 @@
+"""Lesson 17: no worker outlives the process that started it (lifeline.py). If this breaks, a
+killed launcher leaves workers holding memory and answering their peers, and a killed torchrun
+agent leaves a rank that keeps the engine looking healthy."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.processes import free_port, kill_tree
+
+PARENT = """
+import multiprocessing as mp, sys, time
+from step17_tensor_parallel.lifeline import die_with_parent
+
+def child(arm):
+    if arm == "1":
+        die_with_parent()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=child, args=(sys.argv[1],))
+    p.start()
+    print(p.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _child_of_killed_parent(tmp_path, arm: str) -> psutil.Process:
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), arm], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        time.sleep(1.0)                                    # the child is past die_with_parent()
+        parent.send_signal(signal.SIGKILL)                 # the parent alone, not its group
+        parent.wait(10)
+        return child
+    except BaseException:
+        kill_tree(parent)
+        raise
+
+
+def test_a_worker_dies_with_the_process_that_started_it(tmp_path):
+    child = _child_of_killed_parent(tmp_path, "1")
+    gone, alive = psutil.wait_procs([child], timeout=5)
+    for p in alive:
+        p.kill()
+    assert not alive, "the child outlived its killed parent"
+
+
+def test_without_the_lifeline_the_child_would_outlive_it(tmp_path):
+    """The control: the same child without die_with_parent() survives, so the test above tests something."""
+    child = _child_of_killed_parent(tmp_path, "0")
+    try:
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+    finally:
+        child.kill()
+
+
+KILLED_AGENT_SCRIPT = """
+import sys, torch
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step17_tensor_parallel.engine import TPEngine, WorkerFailed
+from step17_tensor_parallel.node import run_torchrun_worker
+folder = sys.argv[1]
+run_torchrun_worker(folder, 2, torch.float32, timeout_s=20.0)      # rank 1: serve, then exit here
+config = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)
+with TPEngine(folder, config, tensor_parallel_size=2, dtype=torch.float32, threads_per_rank=1) as engine:
+    engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))
+    print("READY", flush=True)
+    try:
+        while True:
+            engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+    except WorkerFailed as e:
+        print("FAILED", str(e).splitlines()[0], flush=True)
+"""
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [q.put(line) for line in proc.stdout], daemon=True).start()
+    return q
+
+
+def _wait_for(q: queue.Queue, prefix: str, timeout_s: float) -> str:
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if line.startswith(prefix):
+            return line
+    pytest.fail(f"no {prefix!r} line within {timeout_s} s:\n{''.join(seen)}")
+
+
+@pytest.mark.slow
+def test_killing_node_1s_torchrun_agent_ends_its_worker_and_fails_rank_0(tiny_qwen3_dir, tmp_path):
+    path = tmp_path / "killed_agent.py"
+    path.write_text(KILLED_AGENT_SCRIPT)
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen([*torchrun, "--node-rank", str(n), str(path), str(tiny_qwen3_dir)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True) for n in (0, 1)]
+    spawned: list[psutil.Process] = []
+    try:
+        out0 = _lines(agents[0])
+        _wait_for(out0, "READY", 90)
+        spawned = [c for a in agents for c in psutil.Process(a.pid).children(recursive=True)]
+        workers = psutil.Process(agents[1].pid).children(recursive=True)
+        assert workers, "node 1's agent has no worker"
+        os.kill(agents[1].pid, signal.SIGKILL)                 # the agent alone, as a scheduler would
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"node 1's worker outlived its agent: {[p.pid for p in alive]}"
+        failed = _wait_for(out0, "FAILED", 60)
+        assert "step failed" in failed or "connection lost" in failed, failed   # a WorkerFailed, not a hang
+        rank0 = psutil.Process(agents[0].pid).children(recursive=True)
+        _, alive = psutil.wait_procs(rank0, timeout=30)   # rank 0 ends; its agent then waits out
+        assert not alive, "rank 0 did not end"               # torchrun's exit barrier for node 1's
+    finally:
+        for p in spawned:                  # torchrun puts workers in sessions of their own: kill them by pid
+            if p.is_running():
+                p.kill()
+        for a in agents:
+            kill_tree(a)
