@@ -66,17 +66,22 @@ def kill_tree(proc: subprocess.Popen) -> None:
         proc.communicate()
 
 
+def torchrun_agents(tmp_path: Path, script: str, *args: str) -> list[subprocess.Popen]:
+    """`script` under `torchrun --nnodes 2 --nproc-per-node 1` on loopback: one agent per "node",
+    each in a session of its own, output piped. The caller ends them (kill_tree)."""
+    path = tmp_path / "under_torchrun.py"
+    path.write_text(script)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([*torchrun, "--node-rank", str(n), str(path), *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) for n in (0, 1)]
+
+
 def torchrun_tokens(tmp_path: Path, script: str, *args: str, timeout_s: float = 90.0) -> list[list[int]]:
     """Run `script` (it prints "TOKENS <json>" on rank 0) as `torchrun --nnodes 2 --nproc-per-node 1`
     twice on loopback, one launch per "node"; both must exit 0. Returns rank 0's tokens."""
-    path = tmp_path / "under_torchrun.py"
-    path.write_text(script)
-    port = free_port()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([*torchrun, "--node-rank", str(n), str(path), *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) for n in (0, 1)]
+    procs = torchrun_agents(tmp_path, script, *args)
     try:
         outs = [gone(p, timeout_s) for p in procs]
     finally:

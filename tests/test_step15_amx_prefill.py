@@ -12,13 +12,16 @@ from step15_flash_attention.reference import random_paged_case, reference_attent
 
 
 def test_the_library_is_there_exactly_where_the_cpu_has_amx_tiles():
+    """If this fails, a CPU without AMX would run the stub, or an AMX CPU would never use its tiles."""
     lib = amx_prefill.amx_library()
+    q, k_pool = torch.zeros(4, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16)
     if "amx" not in cpu.features():
-        assert lib is None
-        q, k_pool = torch.zeros(4, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16)
-        assert not amx_prefill.amx_prefill_fits(q, k_pool)
-    elif lib is None:
+        assert lib is None and not amx_prefill.amx_prefill_fits(q, k_pool)
+        return
+    if lib is None:
         pytest.skip("AMX here, but no C++ compiler (or MINIVLLM_KERNEL=0)")
+    assert amx_prefill.amx_prefill_fits(q, k_pool)                 # bf16, D 64, 2 heads a group: fits
+    assert not amx_prefill.amx_prefill_fits(q.float(), k_pool.float())   # float32 stays with flash_attention.cpp
 
 
 @pytest.mark.skipif(amx_prefill.amx_library() is None, reason="no AMX tiles on this CPU (or no compiler)")

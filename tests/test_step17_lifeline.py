@@ -3,7 +3,6 @@ killed launcher leaves workers holding memory and answering their peers, and a k
 agent leaves a rank that keeps the engine looking healthy."""
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
@@ -15,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from tests.processes import free_port, kill_tree
+from tests.processes import kill_tree, torchrun_agents
 
 PARENT = """
 import multiprocessing as mp, sys, time
@@ -110,15 +109,7 @@ def _wait_for(q: queue.Queue, prefix: str, timeout_s: float) -> str:
 
 @pytest.mark.slow
 def test_killing_node_1s_torchrun_agent_ends_its_worker_and_fails_rank_0(tiny_qwen3_dir, tmp_path):
-    path = tmp_path / "killed_agent.py"
-    path.write_text(KILLED_AGENT_SCRIPT)
-    port = free_port()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [subprocess.Popen([*torchrun, "--node-rank", str(n), str(path), str(tiny_qwen3_dir)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True) for n in (0, 1)]
+    agents = torchrun_agents(tmp_path, KILLED_AGENT_SCRIPT, str(tiny_qwen3_dir))
     spawned: list[psutil.Process] = []
     try:
         out0 = _lines(agents[0])
