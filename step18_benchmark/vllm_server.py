@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from step17_tensor_parallel.lifeline import popen_tied
+
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -40,7 +42,7 @@ def vllm_server(model: Path, max_num_seqs: int, log_path: Path, startup_s: float
            "--max-num-batched-tokens", "512", "--enable-chunked-prefill", "--enable-prefix-caching",
            "--max-model-len", "4096"]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    proc = popen_tied(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)   # ends with us
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + startup_s

@@ -12,6 +12,7 @@ import sys
 from minivllm_support.cpu import auto_dtype
 from minivllm_support.models import resolve_model
 from step17_tensor_parallel.launch import add_launch_flags, launch_from_args
+from step17_tensor_parallel.lifeline import honour_lifeline_env
 from step17_tensor_parallel.node import run_torchrun_worker
 from step18_benchmark.faults import EngineDead, FaultPolicy
 from step19_real_model.llm import DTYPES
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None, build=build_server) -> None:
     p.add_argument("--fault-marker", default=None, help="lesson and soak tool: the engine step holding a "
                    "prompt that contains this text raises (its requests get 500, the others go on)")
     args = p.parse_args(argv)
+    honour_lifeline_env()                    # started by popen_tied (the soak): end with that process
     if args.max_step_faults < 1 or args.step_fault_window_s <= 0:
         p.error("--max-step-faults must be >= 1 and --step-fault-window-s > 0")
     if args.node_rank != 0:

@@ -4,7 +4,8 @@
     make soak MINUTES=5 CONCURRENCY=256
 
 The server runs as its own process (`python -m step20_http_serve --fault-marker ...`), as a user
-would start it. Each client loops until the time is up, picking one kind of request at random:
+would start it, tied to this one (lesson 17's lifeline.popen_tied): if the soak is killed, so is
+the server. Each client loops until the time is up, picking one kind of request at random:
 
     completion     greedy completion          -> 200, text, finish_reason length|stop
     chat_stream    streamed chat              -> SSE chunks, then [DONE]
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from minivllm_support.cli import machine
+from step17_tensor_parallel.lifeline import popen_tied
 
 MARKER = "zebra-fault-please"
 PROMPTS = ["The capital of France is", "Write one sentence about the sea.", "List three colours:",
@@ -251,7 +253,7 @@ def main() -> int:
     print(f"machine: {machine()}\nserver: {' '.join(cmd[1:])}\n"
           f"load: {args.concurrency} clients for {args.minutes:g} min, a fault-marker request every "
           f"{args.fault_every_s:g} s", flush=True)
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    proc = popen_tied(cmd, stdin=subprocess.DEVNULL)      # a killed soak takes its server with it
     try:
         wait_healthy(base, proc)
         t0 = time.monotonic()

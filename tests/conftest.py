@@ -1,17 +1,46 @@
 """Shared fixtures: the tiny random Qwen3 and the embedded SmolLM2, each built/loaded once."""
 from __future__ import annotations
 
+import itertools
 import os
+import time
+import warnings
 
 import pytest
 import torch
 
 from minivllm_support.tiny import build_tiny_qwen3
+from tests.processes import MARK, marked, reap
 
 torch.set_grad_enabled(False)
 # Triton's interpreter must be chosen before any @triton.jit runs, and a lesson module imported
 # by an earlier test file may define its kernels first (TRITON_INTERPRET=0 still selects a GPU).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Every process started during this run carries MARK (tests/processes.py): RUN while session and
+# module fixtures start theirs, RUN.<n> while test n runs.
+RUN = f"pytest-{os.getpid()}"
+os.environ[MARK] = RUN
+_test_numbers = itertools.count(1)
+
+
+@pytest.fixture(autouse=True)
+def owned_processes():
+    """Owns what the test starts, whatever the outcome: at teardown (after the test's own
+    fixtures have ended theirs) any process still carrying the test's mark is killed, in its
+    own session or re-parented to init as it may be, and named in a warning."""
+    tag = f"{RUN}.{next(_test_numbers)}"
+    os.environ[MARK] = tag
+    yield tag
+    os.environ[MARK] = RUN
+    if left := reap(marked(tag)):
+        warnings.warn("killed processes the test left behind:\n  " + "\n  ".join(left), pytest.PytestWarning)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """What session and module fixtures started, and anything a test left that escaped its reaping."""
+    if left := reap(marked(RUN, and_below=True)):
+        print("\nkilled processes left at the end of the run:\n  " + "\n  ".join(left))
 
 
 @pytest.fixture(scope="session")
@@ -100,13 +129,25 @@ def one_thread():
 
 
 @pytest.fixture
-def no_leftovers():
-    """A test of a multi-process engine ends with no new child process (waited for up to 10 s).
-    Lesson 17's own test file has a stricter one (shared-memory files too)."""
-    from tests.processes import new_children, our_children
+def no_leftovers(owned_processes):
+    """A test of a multi-process engine ends with no process of its own left: none of our new
+    children, nothing carrying its mark (waited for up to 10 s). What is left is named, then
+    killed. Lesson 17's own test file has a stricter one (shared-memory files too)."""
+    from tests.processes import our_children
     before = {p.pid for p in our_children()}
     yield
-    assert new_children(before) == set()
+    deadline = time.monotonic() + 10
+    while (left := leftovers(owned_processes, before)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        pytest.fail("processes left behind by the test (now killed):\n  " + "\n  ".join(reap(left)))
+
+
+def leftovers(tag: str, before: set[int]) -> list:
+    from tests.processes import our_children
+    found = {p.pid: p for p in marked(tag)}
+    found.update({p.pid: p for p in our_children() if p.pid not in before})
+    return list(found.values())
 
 
 @pytest.fixture(scope="session")

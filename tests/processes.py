@@ -1,5 +1,6 @@
-"""Helpers for the tests of multi-process engines: our child processes, a free port, a headless
-"node" started as its own process tree, and the same engine under torchrun on loopback."""
+"""Helpers for the tests of multi-process engines: the processes a test owns, our child processes,
+a free port, a headless "node" started as its own process tree, and the same engine under torchrun
+on loopback."""
 from __future__ import annotations
 
 import json
@@ -15,13 +16,51 @@ import psutil
 import pytest
 
 
+# conftest.py puts this variable in the environment before each test, with a value naming the run
+# and the test; every process the test starts inherits it, however far it strays: torchrun's
+# workers and our nodes run in sessions of their own, and a worker whose parent died is
+# re-parented to init, out of reach of a walk over our children but not of this mark.
+MARK = "MINIVLLM_TEST_OWNER"
+# Helpers of this interpreter that live as long as pytest does, whichever test started them.
+LONG_LIVED = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")
+
+
+def marked(tag: str, *, and_below: bool = False) -> list[psutil.Process]:
+    """Live processes (not this one) whose environment carries MARK=tag, or, with and_below,
+    MARK=tag.<anything> too; less the LONG_LIVED helpers."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            value = p.environ().get(MARK) if p.pid != os.getpid() else None
+            if value is None or not (value == tag or (and_below and value.startswith(tag + "."))):
+                continue
+            if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in LONG_LIVED):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def reap(procs: list[psutil.Process]) -> list[str]:
+    """SIGKILL each process and wait for it (5 s at most). Returns "pid cmdline" for each."""
+    named = []
+    for p in procs:
+        try:
+            named.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+    return named
+
+
 def our_children() -> list[psutil.Process]:
-    """Live child processes of this one, less multiprocessing's resource tracker (one per
-    interpreter, started by the first spawn and meant to live as long as we do)."""
+    """Live child processes of this one, less the LONG_LIVED helpers (multiprocessing's resource
+    tracker, inductor's compile workers: started once, meant to live as long as we do)."""
     alive = []
     for p in psutil.Process(os.getpid()).children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+            if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in LONG_LIVED):
                 alive.append(p)
         except psutil.NoSuchProcess:
             pass

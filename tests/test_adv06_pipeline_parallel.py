@@ -176,7 +176,8 @@ def test_pp2_two_in_flight_equals_one_process_on_smollm2(smol_dir, smol_fp32, sm
     assert all(mb.returned_bytes == mb.rows * row_bytes for mb in mbs) and sum(mb.rows for mb in mbs) > 0
     assert predict_seconds(mbs, costs, fit_hop(hop_samples(tls)), rank0_overhead(tls[0]), 2,
                            fit_lm_head(tls[0])) > 0
-    assert all(h.latency_s >= 0 and h.bytes > 0 for h in hop_samples(tls))
+    hops = hop_samples(tls)
+    assert hops and all(h.latency_s >= 0 and h.bytes > 0 for h in hops)
     assert bubble_formula(2, 2) == pytest.approx(1 / 3)
 
 
@@ -203,43 +204,47 @@ def _generate_until_failure(engine: PPEngine, max_steps: int = 100_000) -> Worke
                                            ("exit@3", "rank 1: process ended (exit code 3)")])
 def test_last_stage_that_raises_or_exits(tiny4, monkeypatch, fault, expect, no_leftovers):
     monkeypatch.setenv(FAULT_ENV, fault)           # inherited by the spawned stages
-    engine = _tiny_engine(tiny4)
-    t0 = time.perf_counter()
-    error = _generate_until_failure(engine)
-    assert time.perf_counter() - t0 < 10
-    assert expect in str(error)
-    if fault.startswith("raise"):
-        assert "injected fault" in str(error) and "Traceback" in str(error)
+    with _tiny_engine(tiny4) as engine:
+        t0 = time.perf_counter()
+        error = _generate_until_failure(engine)
+        assert time.perf_counter() - t0 < 10
+        assert expect in str(error)
+        if fault.startswith("raise"):
+            assert "injected fault" in str(error) and "Traceback" in str(error)
 
 
 def test_stage_that_is_killed_mid_run(tiny4, no_leftovers):
-    engine = _tiny_engine(tiny4, num_micro_batches=2)
-    engine.generate(_prompts(512, (5, 9)), SamplingParams(max_tokens=5, ignore_eos=True))    # healthy first
-    killer = threading.Timer(0.3, os.kill, (engine.workers[0].pid, signal.SIGKILL))
-    killer.start()
-    t0 = time.perf_counter()
-    error = _generate_until_failure(engine)
-    killer.join()
-    assert time.perf_counter() - t0 < 10
-    assert "rank 1: process ended (killed by signal 9)" in str(error)
+    with _tiny_engine(tiny4, num_micro_batches=2) as engine:
+        engine.generate(_prompts(512, (5, 9)), SamplingParams(max_tokens=5, ignore_eos=True))    # healthy first
+        killer = threading.Timer(0.3, os.kill, (engine.workers[0].pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.perf_counter()
+        error = _generate_until_failure(engine)
+        killer.join()
+        assert time.perf_counter() - t0 < 10
+        assert "rank 1: process ended (killed by signal 9)" in str(error)
 
 
 def test_stage_that_hangs_hits_the_timeout(tiny4, monkeypatch, no_leftovers):
     monkeypatch.setenv(FAULT_ENV, "hang@2")
-    engine = _tiny_engine(tiny4, timeout_s=2)
-    t0 = time.perf_counter()
-    error = _generate_until_failure(engine)
-    assert time.perf_counter() - t0 < 10
-    assert "not answering" in str(error) and "Timed out" in str(error)
+    with _tiny_engine(tiny4, timeout_s=2) as engine:
+        t0 = time.perf_counter()
+        error = _generate_until_failure(engine)
+        assert time.perf_counter() - t0 < 10
+        assert "not answering" in str(error) and "Timed out" in str(error)
 
 
 def test_del_with_a_micro_batch_in_flight_leaves_nothing(tiny4, no_leftovers):
     threads = torch.get_num_threads()
     engine = _tiny_engine(tiny4)
-    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=50))
-    engine.step()                                       # left with a micro-batch in flight
-    assert engine.has_unfinished() and torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
     workers = engine.workers
+    try:
+        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=50))
+        engine.step()                                   # left with a micro-batch in flight
+        assert engine.has_unfinished() and torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
+    except BaseException:
+        engine.close()
+        raise
     del engine                                          # garbage collection stops the stages
     gc.collect()
     for w in workers:

@@ -5,10 +5,12 @@ pipeline across); the split stage loads strictly; a rank killed mid-run is named
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from minivllm_support.tiny import build_tiny_qwen3
 from step04_transformer.loader import load_model
@@ -17,6 +19,7 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step16_cuda_graph.cpu.engine import build_engine
 from step17_tensor_parallel.control import RendezvousError
+from step17_tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from advanced.adv06_pipeline_parallel.engine import PPEngine
 from advanced.adv06_pipeline_parallel.stage import Stage
 from advanced.adv06_pipeline_parallel.tp_stage import load_tp_stage
@@ -27,6 +30,8 @@ from tests.test_adv06_pipeline_parallel import _generate_until_failure, _prompts
 
 CONFIG = PagedSchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_bytes=1 << 20)
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,7 @@ def one_process(tiny4):
 def test_tp2_pp2_equals_one_process(tiny4, one_process, no_leftovers):
     prompts, ref = one_process
     with PPEngine(tiny4, CONFIG, pipeline_parallel_size=2, tensor_parallel_size=2, dtype=torch.float32,
-                  timeout_s=20) as engine:
+         timeout_s=20) as engine:
         assert len(engine.workers) == 3 and engine.last_stage_rank == 2
         for m in (1, 2):
             engine.set_micro_batches(m)
@@ -52,22 +57,61 @@ def test_tp2_pp2_equals_one_process(tiny4, one_process, no_leftovers):
 
 def test_tp_stage_loader_splits_the_linears_and_keeps_the_head_on_rank_0(tmp_path):
     """Loaded without processes (a split forward needs its all-reduce partner, so the tokens are
-    the engine tests' job): each rank's stage holds its half of every linear of its layers; the
-    untied LM head only on rank 0, and it equals the full model's; the whole embedding on every
-    rank of stage 0; a model that cannot be split is refused naming the field."""
+    the engine tests' job): each rank's stage holds its half of every linear of its layers (rows
+    of the column-parallel ones, columns of the row-parallel ones) and nothing of the other
+    stage's layers; the untied LM head only on rank 0, and it equals the full model's; the whole
+    embedding on every rank of stage 0; a model that cannot be split is refused naming the field."""
     folder = build_tiny_qwen3(tmp_path / "untied", num_hidden_layers=4, tie_word_embeddings=False)
     full = load_model(folder, torch.float32)
+    whole = dict(full.named_parameters())
     parts = {(s, r): load_tp_stage(folder, Stage(s, 2, 2 * s, 2 * s + 2), r, 2) for s in (0, 1) for r in (0, 1)}
     assert parts[0, 0].lm_head is not None and parts[0, 1].lm_head is None and parts[1, 0].lm_head is None
-    q_full = full.model.layers[0].self_attn.q_proj.weight
-    q_half = parts[0, 1].model.layers[0].self_attn.q_proj.linear.weight
-    assert q_half.shape[0] * 2 == q_full.shape[0] and torch.equal(q_half, q_full[q_full.shape[0] // 2:])
+    for (stage, rank), part in parts.items():
+        seen = set()
+        for name, module in part.named_modules():
+            if isinstance(module, ColumnParallelLinear):
+                w = whole[f"{name}.weight"]
+                rows = w.shape[0] // 2
+                assert torch.equal(module.linear.weight, w[rank * rows:(rank + 1) * rows]), (stage, rank, name)
+            elif isinstance(module, RowParallelLinear):
+                w = whole[f"{name}.weight"]
+                cols = w.shape[1] // 2
+                assert torch.equal(module.linear.weight, w[:, rank * cols:(rank + 1) * cols]), (stage, rank, name)
+            else:
+                continue
+            seen.add(name)
+        mine = {f"model.layers.{i}.{m}" for i in (2 * stage, 2 * stage + 1) for m in LINEARS}
+        assert seen == mine, (stage, rank, sorted(seen ^ mine))
+        for name, t in part.named_parameters():          # what is not split is whole: norms, stage 0's embedding
+            if name in whole and "proj" not in name:
+                assert torch.equal(t, whole[name]), (stage, rank, name)
+    assert all(parts[0, r].model.embed_tokens.weight.shape == whole["model.embed_tokens.weight"].shape for r in (0, 1))
     with pytest.raises(ValueError, match="num_attention_heads"):
         load_tp_stage(folder, Stage(0, 2, 0, 2), 0, 3)
     ids, pos = torch.tensor([3, 8, 100, 7]), torch.arange(4)
     ref = full.compute_logits(full(ids, pos, SingleSequenceAttention()))
     assert torch.equal(parts[0, 1].model.embed_tokens(ids), full.model.embed_tokens(ids))
     assert torch.equal(parts[0, 0].compute_logits(full(ids, pos)), ref)
+
+
+def test_tp_stage_loader_is_strict_about_its_own_stage(tmp_path):
+    """A tensor of stage 1 missing: stage 1's ranks refuse naming it, stage 0's (which never read
+    it) load; a tensor that matches no parameter of a stage that reads it is refused naming it."""
+    folder = build_tiny_qwen3(tmp_path / "m", num_hidden_layers=4)
+    tensors = load_file(str(folder / "model.safetensors"))
+    missing, extra = tmp_path / "missing", tmp_path / "extra"
+    for out, change in ((missing, lambda t: t.pop("model.layers.3.mlp.down_proj.weight")),
+                        (extra, lambda t: t.__setitem__("model.layers.2.mlp.surprise.weight", torch.zeros(2)))):
+        shutil.copytree(folder, out)
+        edited = dict(tensors)
+        change(edited)
+        save_file(edited, str(out / "model.safetensors"))
+    for rank in (0, 1):
+        with pytest.raises(KeyError, match=r"missing tensors: \['model.layers.3.mlp.down_proj.linear.weight'\]"):
+            load_tp_stage(missing, Stage(1, 2, 2, 4), rank, 2)
+        load_tp_stage(missing, Stage(0, 2, 0, 2), rank, 2)
+        with pytest.raises(KeyError, match="'model.layers.2.mlp.surprise.weight'.*matches no model parameter"):
+            load_tp_stage(extra, Stage(1, 2, 2, 4), rank, 2)
 
 
 def test_tp2_pp2_over_two_nodes_keeps_each_tp_group_on_one_node(tiny4, one_process, capfd, no_leftovers):
@@ -104,11 +148,11 @@ def test_tp_size_mismatch_between_nodes_is_refused(tiny4, no_leftovers):
 
 
 def test_tp_rank_killed_mid_run_is_named(tiny4, no_leftovers):
-    engine = PPEngine(tiny4, CONFIG, pipeline_parallel_size=2, tensor_parallel_size=2, dtype=torch.float32,
-                      timeout_s=10)
-    os.kill(engine.workers[-1].pid, signal.SIGKILL)          # rank 3: stage 1, TP rank 1
-    error = _generate_until_failure(engine)
-    assert "rank 3" in str(error) or "pp-rank-3" in str(error), error
+    with PPEngine(tiny4, CONFIG, pipeline_parallel_size=2, tensor_parallel_size=2, dtype=torch.float32,
+                  timeout_s=10) as engine:
+        os.kill(engine.workers[-1].pid, signal.SIGKILL)          # rank 3: stage 1, TP rank 1
+        error = _generate_until_failure(engine)
+        assert "rank 3" in str(error) or "pp-rank-3" in str(error), error
 
 
 def test_a_torchrun_world_other_than_pp_x_tp_is_refused(tiny4, monkeypatch, no_leftovers):

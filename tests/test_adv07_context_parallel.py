@@ -150,7 +150,7 @@ def test_cp2_equals_the_single_process_engine_on_smollm2(smol_dir, smol_tokenize
     finally:
         torch.set_num_threads(threads)
     with CPEngine(smol_dir, config, context_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
-                  min_cp_tokens=64) as engine:
+         min_cp_tokens=64) as engine:
         seqs = engine.generate([long, short], sp)   # the long prompt over the ring, "Hi" the usual way
         assert engine.last_prefill["layout"].T == len(long)
         assert [s.output_token_ids for s in seqs] == want
@@ -171,30 +171,30 @@ def _fail_within(engine, seconds: float, prompt) -> WorkerFailed:
 
 def test_worker_that_raises(tiny_qwen3_dir, monkeypatch, no_leftovers):
     monkeypatch.setenv(FAULT_ENV, "raise@2")             # the second prompt, inside layer 1's ring
-    engine = CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32,
-                      threads_per_rank=1, timeout_s=30, min_cp_tokens=8)
-    engine.add_request(_prompt(40, 512), SamplingParams(max_tokens=2))     # healthy first
-    error = _fail_within(engine, 10, _prompt(41, 512))
-    assert "rank 1" in str(error) and "injected fault" in str(error) and "Traceback" in str(error)
+    with CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32,
+                  threads_per_rank=1, timeout_s=30, min_cp_tokens=8) as engine:
+        engine.add_request(_prompt(40, 512), SamplingParams(max_tokens=2))     # healthy first
+        error = _fail_within(engine, 10, _prompt(41, 512))
+        assert "rank 1" in str(error) and "injected fault" in str(error) and "Traceback" in str(error)
 
 
 def test_worker_that_hangs_hits_the_timeout(tiny_qwen3_dir, monkeypatch, no_leftovers):
     monkeypatch.setenv(FAULT_ENV, "hang@1")
-    engine = CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32,
-                      threads_per_rank=1, timeout_s=2, min_cp_tokens=8)
-    error = _fail_within(engine, 15, _prompt(40, 512))
-    assert "not answering" in str(error)
+    with CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32,
+                  threads_per_rank=1, timeout_s=2, min_cp_tokens=8) as engine:
+        error = _fail_within(engine, 15, _prompt(40, 512))
+        assert "not answering" in str(error)
 
 
 def test_worker_that_is_killed_mid_prefill(tiny_qwen3_dir, monkeypatch, no_leftovers):
     monkeypatch.setenv(FAULT_ENV, "hang@1")             # keeps rank 0 waiting in the ring ...
-    engine = CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32,
-                      threads_per_rank=1, timeout_s=60, min_cp_tokens=8)
-    killer = threading.Timer(0.5, os.kill, (engine.workers[0].pid, signal.SIGKILL))   # ... until killed
-    killer.start()
-    error = _fail_within(engine, 10, _prompt(40, 512))   # far less than the 60 s timeout
-    killer.join()
-    assert "rank 1: process ended (killed by signal 9)" in str(error)
+    with CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32,
+                  threads_per_rank=1, timeout_s=60, min_cp_tokens=8) as engine:
+        killer = threading.Timer(0.5, os.kill, (engine.workers[0].pid, signal.SIGKILL))   # ... until killed
+        killer.start()
+        error = _fail_within(engine, 10, _prompt(40, 512))   # far less than the 60 s timeout
+        killer.join()
+        assert "rank 1: process ended (killed by signal 9)" in str(error)
 
 
 def test_gc_leaves_nothing_and_bad_sizes_are_refused(tiny_qwen3_dir, no_leftovers):

@@ -172,12 +172,20 @@ def test_lesson21_api_serves_from_the_replicas(smol_front):
     from step20_http_serve.api import build_app
     smol_front.set_policy("cache_aware")
     llm = DPAsyncLLM(smol_front, "smol")
+    routed = sum(smol_front.routed())
+    generated = sum(s.generation_tokens for s in smol_front.replica_stats())
     with TestClient(build_app(llm)) as client:
         assert client.get("/health").status_code == 200
         body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
                 "temperature": 0}
         r = client.post("/v1/chat/completions", json=body)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        n = answer["usage"]["completion_tokens"]
+        assert 1 <= n <= 5 and answer["choices"][0]["message"]["content"], answer
+        # It went through the router to a replica, whose engine made those tokens.
+        assert sum(smol_front.routed()) == routed + 1
+        assert sum(s.generation_tokens for s in smol_front.replica_stats()) == generated + n
         assert "vllm:prefix_cache_queries_total" in client.get("/metrics").text
 
 
@@ -246,23 +254,30 @@ def test_hung_then_killed_replicas_fail_or_reroute_their_requests_in_seconds(tin
 
 def test_abort_frees_the_request_and_garbage_collection_leaves_no_process(tiny_qwen3_dir):
     front = DPFrontEnd(tiny_qwen3_dir, 1, "least_load", trace=True)
-
-    async def hang_up(dp: DPFrontEnd):
-        async for _ in dp.generate([6] * 8, _greedy(400)):
-            if dp.replica_stats()[0].num_running == 1:
-                break                                       # a client that hung up
-        return await _tokens(dp, [6] * 8)                   # the replica's next report comes with this
-    assert _run(hang_up(front))
-    last = front.replica_stats()[0]
-    assert last.num_running == 0 and last.num_waiting == 0 and last.kv_blocks_used == 0   # aborted there
-    rec = _run(engine_sender(front)(Request([5] * 8, 3)))      # lesson 18's load generator, unchanged
-    assert rec.success and rec.output_len == 3
-    (tl,) = front.timelines()                               # the replica's engine steps, on our clock
-    assert tl.spans and {s.cat for s in tl.spans} == {"compute"} and not validate_trace(chrome_trace([tl]))
-    # Its clock offset, measured when it started (answer_offset over its connection): one machine, ~0.
-    assert tl.offset_ns == front._hub.replicas[0].offset_ns and abs(tl.offset_ns) < 50_000_000
-    assert front.timelines()[0].spans == []                 # taken: the next call starts afresh
     pids = front.pids()
+    try:
+        async def hang_up(dp: DPFrontEnd) -> tuple[int, list[int]]:
+            got = 0
+            async for _ in dp.generate([6] * 8, _greedy(400)):
+                got += 1
+                if dp.replica_stats()[0].num_running == 1:
+                    break                                   # a client that hung up, mid-stream
+            return got, await _tokens(dp, [6] * 8)          # the replica's next report comes with this
+        got, after = _run(hang_up(front))
+        assert 1 <= got < 400 and after, "the client must hang up before its request ends"
+        last = front.replica_stats()[0]
+        assert last.num_running == 0 and last.num_waiting == 0 and last.kv_blocks_used == 0   # aborted there
+        assert last.generation_tokens < 400                 # it did not run on to max_tokens
+        rec = _run(engine_sender(front)(Request([5] * 8, 3)))  # lesson 18's load generator, unchanged
+        assert rec.success and rec.output_len == 3
+        (tl,) = front.timelines()                           # the replica's engine steps, on our clock
+        assert tl.spans and {s.cat for s in tl.spans} == {"compute"} and not validate_trace(chrome_trace([tl]))
+        # Its clock offset, measured when it started (answer_offset over its connection): one machine, ~0.
+        assert tl.offset_ns == front._hub.replicas[0].offset_ns and abs(tl.offset_ns) < 50_000_000
+        assert front.timelines()[0].spans == []             # taken: the next call starts afresh
+    except BaseException:
+        front.close()
+        raise
     del front
     gc.collect()                                            # the finalizer stops the replicas
     assert _none_left(pids)

@@ -68,13 +68,19 @@ def test_two_nodes_serve_one_engines_tokens_then_node1_dies_and_only_its_request
             assert _run(all_at_once()) == expected and front.routed() == [2, 2]
             t1 = time.perf_counter_ns()
             # Node 1's replica traces too (the setting reaches replicas node 0 did not start), and each
-            # timeline carries the offset measured at its start: on one machine, one clock, so ~0 and
-            # every step lands inside the run as node 0's clock saw it.
+            # timeline carries the offset measured at its start. On one machine there is one clock:
+            # the raw spans lie inside the run as node 0's clock saw it, and the true offset is 0, so
+            # the estimate's error is the offset itself (measure_offset takes the midpoint of the
+            # shortest round trip: good to half of it). Aligned spans may stray outside [t0, t1] by
+            # that much and no more; demanding more would test the estimate beyond its precision.
             tls = front.timelines()
             assert [t.rank for t in tls] == [0, 1] and all(t.spans for t in tls)
             assert [t.offset_ns for t in tls] == [rep0.offset_ns, rep1.offset_ns]
             assert all(abs(t.offset_ns) < 50_000_000 for t in tls), [t.offset_ns for t in tls]
-            assert all(t0 <= s.start_ns and s.end_ns <= t1 for t in tls for s in t.aligned())
+            assert all(t0 <= s.start_ns and s.end_ns <= t1 for t in tls for s in t.spans)
+            for t in tls:
+                err = abs(t.offset_ns)
+                assert all(t0 - err <= s.start_ns and s.end_ns <= t1 + err for s in t.aligned()), t.offset_ns
             assert not validate_trace(chrome_trace(tls))
 
             async def killed_midway():                      # replica 1's (round robin): tokens, then the error

@@ -6,9 +6,6 @@ import pytest
 import torch
 
 from step06_sampler.params import SamplingParams
-from step15_flash_attention import flash_cpu
-
-needs_kernel = pytest.mark.skipif(flash_cpu.load() is None, reason="no C++ compiler for the kernel")
 
 
 def test_elementwise_kernels_round_as_lesson04_does():
@@ -45,15 +42,25 @@ def test_elementwise_kernels_round_as_lesson04_does():
         close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:])
 
 
-@needs_kernel
-
-
-def test_row_argmax_picks_what_torch_picks():
-    """ops.row_argmax (one C pass, AVX-512 where the CPU has it): the first of equal maxima, the
-    first NaN of a row that has one, all -inf rows, row lengths around the 16-lane width,
-    strided rows; and the engine's sampler uses it."""
+def test_row_argmax_picks_what_torch_picks(monkeypatch):
+    """ops.row_argmax (one C pass of elementwise.cpp, AVX-512 where the CPU has it): the first
+    of equal maxima, the first NaN of a row that has one, all -inf rows, row lengths around the
+    16-lane width, strided rows; and the engine's sampler uses it. Every call is counted at the
+    library's row_argmax_f32, so a row_argmax that fell back to torch (torch compared with
+    torch) fails here instead of passing."""
     from step16_cuda_graph.cpu import ops
     from step16_cuda_graph.cpu.engine import KernelSampler
+    lib = ops.kernels_library()
+    if lib is None:
+        pytest.skip("elementwise.cpp (ops.kernels_library, home of row_argmax_f32) could not be built: "
+                    "no C++ compiler, or MINIVLLM_KERNEL=0")
+    assert hasattr(lib, "row_argmax_f32"), "elementwise.cpp's library does not export row_argmax_f32"
+    c_pass, calls = lib.row_argmax_f32, []
+
+    def counted(*args):
+        calls.append(args[1:4])                          # rows, row length, row stride
+        return c_pass(*args)
+    monkeypatch.setattr(lib, "row_argmax_f32", counted)
     g = torch.Generator().manual_seed(0)
     for B, V in [(1, 7), (3, 31), (2, 32), (5, 33), (4, 1000), (2, 5003)]:
         cases = [torch.randn(B, V, generator=g), torch.randint(0, 3, (B, V), generator=g).float(),
@@ -63,7 +70,13 @@ def test_row_argmax_picks_what_torch_picks():
         with_nan[0, V - 1] = float("nan")
         cases += [with_nan, torch.randn(B, 2 * V, generator=g)[:, :V]]
         for x in cases:
-            assert torch.equal(ops.row_argmax(x), x.max(dim=-1).indices), (B, V)
+            before = len(calls)
+            got = ops.row_argmax(x)
+            assert calls[before:] == [(B, V, x.stride(0))], \
+                f"row_argmax of a float32 [{B}, {V}] (row stride {x.stride(0)}) did not run the C pass"
+            assert torch.equal(got, x.max(dim=-1).indices), f"row_argmax_f32 disagrees with torch on [{B}, {V}]"
     logits = torch.randn(3, 50, generator=g)
     params = [SamplingParams(temperature=0)] * 3
+    before = len(calls)
     assert torch.equal(KernelSampler()(logits, params), logits.argmax(dim=-1))
+    assert calls[before:] == [(3, 50, 50)], "KernelSampler's greedy pick did not go through row_argmax_f32"

@@ -17,30 +17,33 @@ import pytest
 from tests.processes import kill_tree, torchrun_agents
 
 PARENT = """
-import multiprocessing as mp, sys, time
-from step17_tensor_parallel.lifeline import die_with_parent
+import multiprocessing as mp, os, subprocess, sys, time
+from step17_tensor_parallel.lifeline import die_with_parent, popen_tied
 
 def child(arm):
     if arm == "1":
         die_with_parent()
+    print(os.getpid(), flush=True)              # armed (or not, for the control): the test may kill us
     time.sleep(120)
 
 if __name__ == "__main__":
-    p = mp.get_context("spawn").Process(target=child, args=(sys.argv[1],))
-    p.start()
-    print(p.pid, flush=True)
+    how, arm = sys.argv[1:]
+    if how == "process":                        # a worker, as lesson 17 starts them
+        mp.get_context("spawn").Process(target=child, args=(arm,)).start()
+    else:                                       # a program, as the soak starts lesson 20's server
+        start = popen_tied if arm == "1" else subprocess.Popen
+        start([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"])
     time.sleep(120)
 """
 
 
-def _child_of_killed_parent(tmp_path, arm: str) -> psutil.Process:
+def _child_of_killed_parent(tmp_path, how: str, arm: str) -> psutil.Process:
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    parent = subprocess.Popen([sys.executable, str(script), arm], stdout=subprocess.PIPE, text=True,
+    parent = subprocess.Popen([sys.executable, str(script), how, arm], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     try:
-        child = psutil.Process(int(parent.stdout.readline()))
-        time.sleep(1.0)                                    # the child is past die_with_parent()
+        child = psutil.Process(int(parent.stdout.readline()))   # printed once the child is armed
         parent.send_signal(signal.SIGKILL)                 # the parent alone, not its group
         parent.wait(10)
         return child
@@ -49,21 +52,36 @@ def _child_of_killed_parent(tmp_path, arm: str) -> psutil.Process:
         raise
 
 
-def test_a_worker_dies_with_the_process_that_started_it(tmp_path):
-    child = _child_of_killed_parent(tmp_path, "1")
+@pytest.mark.parametrize("how", ["process", "popen"])
+def test_a_child_dies_with_the_process_that_started_it(tmp_path, how):
+    """process: a worker that called die_with_parent(); popen: a program started by popen_tied."""
+    child = _child_of_killed_parent(tmp_path, how, "1")
     gone, alive = psutil.wait_procs([child], timeout=5)
     for p in alive:
         p.kill()
-    assert not alive, "the child outlived its killed parent"
+    assert not alive, f"the child ({how}) outlived its killed parent"
 
 
-def test_without_the_lifeline_the_child_would_outlive_it(tmp_path):
-    """The control: the same child without die_with_parent() survives, so the test above tests something."""
-    child = _child_of_killed_parent(tmp_path, "0")
+@pytest.mark.parametrize("how", ["process", "popen"])
+def test_without_the_lifeline_the_child_would_outlive_it(tmp_path, how):
+    """The control: the same child untied survives, so the test above tests something."""
+    child = _child_of_killed_parent(tmp_path, how, "0")
     try:
+        time.sleep(0.5)                                    # time enough for a tied child to go
         assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
     finally:
         child.kill()
+        psutil.wait_procs([child], timeout=5)
+
+
+def test_popen_tied_asks_the_program_too(monkeypatch):
+    """Where prctl is missing (macOS) the program is asked by the environment; lesson 20's server
+    honours it. Here: the variable reaches the child."""
+    from step17_tensor_parallel.lifeline import LIFELINE_ENV, popen_tied
+    monkeypatch.delenv(LIFELINE_ENV, raising=False)
+    out = popen_tied([sys.executable, "-c", f"import os; print(os.environ.get({LIFELINE_ENV!r}))"],
+                     stdout=subprocess.PIPE, text=True).communicate(timeout=60)[0]
+    assert out.strip() == "1"
 
 
 KILLED_AGENT_SCRIPT = """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -104,22 +105,33 @@ def test_a_node_with_other_flags_is_refused_naming_the_field(tiny_qwen3_dir):
     _no_children()
 
 
-def test_a_node_killed_mid_run_ends_the_engine_in_seconds(tiny_qwen3_dir):
+@pytest.mark.parametrize("what", ["the machine", "the launcher alone"])
+def test_a_node_killed_mid_run_ends_the_engine_in_seconds(tiny_qwen3_dir, what):
+    """the machine: node 1's whole process tree goes. the launcher alone: SIGKILL to node 1's
+    `python -m step17_tensor_parallel.node` only, as a scheduler ending a job would; its worker
+    must go with it (lifeline.py), or rank 0 would go on as if nothing had happened."""
     port = free_port()
     node1 = _node1(tiny_qwen3_dir, port)
     try:
         launch = NodeLaunch(nnodes=2, node_rank=0, master_port=port, rendezvous_timeout_s=20)
-        engine = TPEngine(tiny_qwen3_dir, CONFIG, tensor_parallel_size=2, dtype=torch.float32, launch=launch,
-                          threads_per_rank=1)
-        engine.generate(PROMPTS[:1], SP)                               # healthy first
-        kill_tree(node1)                                              # the whole machine goes
-        for p in PROMPTS:
-            engine.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True))
-        t0 = time.monotonic()
-        with pytest.raises(WorkerFailed, match=r"rank 1 \(node 1\): connection lost"):
-            for _ in range(10_000):
-                engine.step()
-        assert time.monotonic() - t0 < 10 and engine.closed
+        with TPEngine(tiny_qwen3_dir, CONFIG, tensor_parallel_size=2, dtype=torch.float32, launch=launch,
+                      threads_per_rank=1) as engine:
+            engine.generate(PROMPTS[:1], SP)                           # healthy first
+            workers = psutil.Process(node1.pid).children(recursive=True)
+            assert workers, "node 1 started no worker"
+            if what == "the machine":
+                kill_tree(node1)
+            else:
+                node1.kill()
+                _, alive = psutil.wait_procs(workers, timeout=10)
+                assert not alive, f"node 1's worker outlived its launcher: {[p.pid for p in alive]}"
+            for p in PROMPTS:
+                engine.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True))
+            t0 = time.monotonic()
+            with pytest.raises(WorkerFailed, match=r"rank 1 \(node 1\): connection lost"):
+                for _ in range(10_000):
+                    engine.step()
+            assert time.monotonic() - t0 < 10 and engine.closed
     finally:
         kill_tree(node1)
     _no_children()

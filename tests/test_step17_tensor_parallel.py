@@ -163,12 +163,18 @@ def test_parallel_layers_equal_unsharded(tmp_path, no_leftovers):
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_layers_rank, args=(r, 2, port, str(tmp_path), out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    try:
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert set(results[0]) == {"column", "column, replicated", "row + all-reduce", "embedding + all-reduce",
                                "lm head + gather"}
     for rank, errs in results.items():
@@ -217,7 +223,7 @@ def test_tp3_equals_lesson05_on_smollm2(smol_dir, engine_workload, no_leftovers)
     cfg = ModelConfig.from_pretrained(smol_dir)
     need = max(-(-(len(p) + sp.max_tokens) // 16) for p, sp in zip(prompts, params))
     with TPEngine(smol_dir, _config(cfg, 3, blocks=need + 1, block_size=16, max_num_seqs=6, max_num_batched_tokens=20),
-                  tensor_parallel_size=3, dtype=torch.float32) as engine:
+         tensor_parallel_size=3, dtype=torch.float32) as engine:
         assert [s.output_token_ids for s in engine.generate(prompts, params)] == ref
         assert engine.stats().num_preemptions > 0
         assert [s.output_token_ids for s in engine.generate(prompts, params)] == ref
@@ -247,36 +253,36 @@ def _generate_until_failure(engine: TPEngine, max_steps: int = 500) -> WorkerFai
 
 def test_worker_that_raises(tiny_qwen3_dir, monkeypatch, no_leftovers):
     monkeypatch.setenv(FAULT_ENV, "raise@3")           # inherited by the spawned workers
-    engine = _tiny_engine(tiny_qwen3_dir)
-    t0 = time.perf_counter()
-    error = _generate_until_failure(engine)
-    assert time.perf_counter() - t0 < 10
-    assert "rank 1" in str(error) and "injected fault" in str(error)
+    with _tiny_engine(tiny_qwen3_dir) as engine:
+        t0 = time.perf_counter()
+        error = _generate_until_failure(engine)
+        assert time.perf_counter() - t0 < 10
+        assert "rank 1" in str(error) and "injected fault" in str(error)
 
 
 @pytest.mark.parametrize("all_reduce", ["gloo", SHM])
 def test_worker_that_is_killed_mid_run(tiny_qwen3_dir, all_reduce, no_leftovers):
-    engine = _tiny_engine(tiny_qwen3_dir, all_reduce=all_reduce)
-    for _ in range(3):
-        engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=5, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()                                   # healthy first
-    killer = threading.Timer(0.3, os.kill, (engine.workers[0].pid, signal.SIGKILL))
-    killer.start()
-    t0 = time.perf_counter()
-    error = _generate_until_failure(engine, max_steps=100_000)
-    killer.join()
-    assert time.perf_counter() - t0 < 10
-    assert "rank 1: process ended (killed by signal 9)" in str(error)
+    with _tiny_engine(tiny_qwen3_dir, all_reduce=all_reduce) as engine:
+        for _ in range(3):
+            engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=5, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()                                   # healthy first
+        killer = threading.Timer(0.3, os.kill, (engine.workers[0].pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.perf_counter()
+        error = _generate_until_failure(engine, max_steps=100_000)
+        killer.join()
+        assert time.perf_counter() - t0 < 10
+        assert "rank 1: process ended (killed by signal 9)" in str(error)
 
 
 def test_worker_that_hangs_hits_the_timeout(tiny_qwen3_dir, monkeypatch, no_leftovers):
     monkeypatch.setenv(FAULT_ENV, "hang@2")
-    engine = _tiny_engine(tiny_qwen3_dir, timeout_s=2)
-    t0 = time.perf_counter()
-    error = _generate_until_failure(engine)
-    assert time.perf_counter() - t0 < 15
-    assert "not answering" in str(error)
+    with _tiny_engine(tiny_qwen3_dir, timeout_s=2) as engine:
+        t0 = time.perf_counter()
+        error = _generate_until_failure(engine)
+        assert time.perf_counter() - t0 < 15
+        assert "not answering" in str(error)
 
 
 GROUP_FREED_SCRIPT = """

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,15 +116,43 @@ def test_client_reports_failures_without_raising():
 
 
 # ---- a short ladder and online run, end to end --------------------------------------------------
-def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_path):
+def _record_saved_figures(monkeypatch) -> dict:
+    """file name -> the matplotlib Figure the benchmark code saved there (the figure is kept
+    to be read after the code closed it; the file is still written)."""
+    from matplotlib.figure import Figure
+    saved, save = {}, Figure.savefig
+
+    def recording(fig, fname, *args, **kwargs):
+        saved[Path(fname).name] = fig
+        return save(fig, fname, *args, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", recording)
+    return saved
+
+
+def _png(path: Path, size_inches: tuple[float, float], dpi: int):
+    """The image at `path`, which must be a PNG of the given size that decodes."""
+    from step18_benchmark import plots
+    assert path.is_file(), f"the benchmark did not write {path.name}"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+    image = plots.plt.imread(path)
+    width, height = size_inches
+    assert image.shape[:2] == (round(height * dpi), round(width * dpi)), f"{path.name}: {image.shape}"
+    return image
+
+
+def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_path, monkeypatch):
+    """run.py's own pieces (ladder, online, _finish) on the tiny model: the PNGs they write
+    decode and draw the measured numbers under the series' names, and results.json holds the
+    run's records, from which its summaries can be recomputed."""
     from step04_transformer.loader import load_model
     from step16_cuda_graph.cpu.engine import build_engine
     from step18_benchmark import plots
     from step18_benchmark.frontend import AsyncEngine
     from step18_benchmark.ladder import EngineSetup, Workload
-    from step18_benchmark.loadgen import Request, engine_sender, sweep
-    from step18_benchmark.run import ladder, print_table
+    from step18_benchmark.loadgen import engine_sender
+    from step18_benchmark.run import _finish, ladder, online, print_table
 
+    saved = _record_saved_figures(monkeypatch)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     work = Workload("tiny", prompts, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 4)
@@ -134,24 +164,59 @@ def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_pa
     assert results[1].requests == 2 and results[1].of == 4
     print_table(results, "tiny")
     rows = [r.to_dict() for r in results]
-    fig = plots.ladder_figure(rows, "tiny")             # the bars are the measured figures, in order
-    ax = fig.axes[0]
-    assert [b.get_height() for b in ax.patches] == [r["output_tps"] for r in rows]
+
+    # the ladder PNG: the bars saved are the measured figures, in order, prefix runs hatched
+    png_path = plots.ladder_plot(rows, "tiny", tmp_path / "ladder.png")
+    _png(png_path, plots.LADDER_SIZE, plots.DPI)
+    ax = saved["ladder.png"].axes[0]
+    assert [b.get_height() for b in ax.patches] == [r["output_tps"] for r in rows], "bars are not the run's tok/s"
     assert [label.get_text() for label in ax.get_xticklabels()] == [r["name"] for r in rows]
     assert [bool(b.get_hatch()) for b in ax.patches] == [r["requests"] < r["of"] for r in rows]
-    plots.plt.close(fig)
-    png = plots.plt.imread(plots.ladder_plot(rows, "tiny", tmp_path / "ladder.png"))   # a PNG that decodes
-    width, height = plots.LADDER_SIZE
-    assert png.shape[:2] == (height * plots.DPI, width * plots.DPI)
 
     front = AsyncEngine(build_engine(load_model(tiny_qwen3_dir, torch.float32), setup.paged(), use_graph=False),
                         threaded=False)              # as run.py: the engine loop in this thread
     try:
-        runs = sweep(engine_sender(front), [Request(p, 6) for p in prompts], [math.inf, 50.0])
+        sweep_out = online(engine_sender(front), work, [math.inf, 50.0], SLO(), "tiny online")
     finally:
         front.shutdown()
-    online = [{"rate": rate, "result": res.to_dict(), "records": [vars(r) for r in recs]} for rate, res, recs in runs]
-    assert all(o["result"]["completed"] == 4 and o["result"]["total_output_tokens"] == 24 for o in online)
-    plots.latency_plot({"tiny": online}, tmp_path / "latency.png")
-    (tmp_path / "results.json").write_text(json.dumps({"ladder": rows, "online": online}, default=str))
-    assert json.loads((tmp_path / "results.json").read_text())["online"][1]["rate"] == 50.0
+    report = {"ladder_chat": rows, "online_name": "tiny engine", "online": sweep_out}
+    _finish(report, tmp_path)                        # run.py's writer: results.json and the online plots
+
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["ladder_chat"] == json.loads(json.dumps(rows, default=str))
+    assert [o["rate"] for o in written["online"]] == [math.inf, 50.0]
+    for o in written["online"]:
+        recs = o["records"]
+        assert o["result"]["completed"] == 4 and o["result"]["total_output_tokens"] == 24
+        assert sorted(r["prompt_len"] for r in recs) == [5, 9, 17, 30]       # the run's own requests
+        assert all(r["success"] and r["output_len"] == 6 == len(r["token_times"]) for r in recs)
+        ttft_ms = [(r["token_times"][0] - r["start"]) * 1e3 for r in recs]
+        e2el_ms = [(r["end"] - r["start"]) * 1e3 for r in recs]
+        assert o["result"]["ttft"]["median"] == pytest.approx(statistics.median(ttft_ms))
+        assert o["result"]["e2el"]["median"] == pytest.approx(statistics.median(e2el_ms))
+
+    # the latency PNG: per metric, a median and a p99 line named after the engine, over the
+    # rates in ascending order, with the values results.json holds
+    _png(tmp_path / "latency_vs_rate.png", (14, 3.8), 110)
+    fig = saved["latency_vs_rate.png"]
+    by_rate = sorted(written["online"], key=lambda o: o["rate"])
+    x_labels = ["50", "all at once"]
+    for ax, metric in zip(fig.axes, ["ttft", "tpot", "e2el"]):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert set(lines) == {"tiny engine median", "tiny engine p99"}, f"{metric} plot: series {sorted(lines)}"
+        for stat in ("median", "p99"):
+            line = lines[f"tiny engine {stat}"]
+            assert list(line.get_xdata()) == x_labels, f"{metric} {stat}: x {list(line.get_xdata())}"
+            assert list(line.get_ydata()) == pytest.approx([o["result"][metric][stat] for o in by_rate]), \
+                f"the {metric} {stat} line is not the run's {metric} {stat}"
+        assert {t.get_text() for t in ax.get_legend().get_texts()} == set(lines)
+    [throughput] = fig.axes[3].get_lines()
+    assert throughput.get_label() == "tiny engine"
+    assert list(throughput.get_ydata()) == pytest.approx([o["result"]["output_throughput"] for o in by_rate])
+
+    # the TTFT / ITL histograms of the first rate: every request's first token, every gap
+    _png(tmp_path / "ttft_itl.png", (10, 3.6), 110)
+    hist = saved["ttft_itl.png"]
+    assert [t.get_text() for t in hist.texts] == ["rate inf req/s"]           # the suptitle names the rate
+    ttft_bars, itl_bars = (sum(p.get_height() for p in ax.patches) for ax in hist.axes[:2])
+    assert (ttft_bars, itl_bars) == (4, 4 * 5), "the histograms do not count the run's 4 TTFTs and 20 ITLs"

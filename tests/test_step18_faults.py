@@ -40,7 +40,7 @@ async def _run_all(front: AsyncEngine, prompts, params=SP):
 def run_front(engine, prompts, **kw):
     front = AsyncEngine(engine, **kw)
     try:
-        return asyncio.run(_run_all(front, prompts)), front
+        return asyncio.run(asyncio.wait_for(_run_all(front, prompts), 120)), front   # a hang fails, naming where
     finally:
         front.shutdown()
 

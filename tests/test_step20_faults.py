@@ -94,23 +94,33 @@ async def _once(url, body):
 
 
 def test_a_stream_in_a_failed_step_ends_with_an_error_event_not_a_hang(server):
+    """A stream that has its first tokens (so its 200 and headers are sent) and then shares a step
+    with the marker request: that step fails, so the stream ends with an error event naming the
+    fault and [DONE]; the marker request, failed at its first step, gets a plain 500."""
     url, engine, _ = server
+    faults = engine.front.faults
 
     async def go():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            try:                                      # failed at its first step: a plain 500
-                return await _stream(s, f"{url}/v1/chat/completions", {
-                    "model": MODEL, "messages": [{"role": "user", "content": f"say {MARKER}"}],
-                    "max_tokens": 8, "stream": True})
-            except AssertionError:
-                return await _post(s, f"{url}/v1/chat/completions", {
-                    "model": MODEL, "messages": [{"role": "user", "content": f"say {MARKER}"}],
-                    "max_tokens": 8, "stream": True})
-    out = asyncio.run(go())
-    if isinstance(out, tuple):
-        assert out[0] == 500 and "injected fault" in out[1]["error"]["message"]
-    else:
-        assert out[-1] == "[DONE]" and "injected fault" in json.loads(out[-2])["error"]["message"]
+            async with s.post(f"{url}/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "Count from one to a hundred."}],
+                    "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}) as r:
+                assert r.status == 200
+                events, bad = [], None
+                async for line in r.content:
+                    line = line.decode().strip()
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                    if len(events) == 3 and bad is None:     # decoding now: the next step takes both
+                        bad = await _post(s, f"{url}/v1/completions",
+                                          {"model": MODEL, "prompt": f"say {MARKER}", "max_tokens": 4})
+                return events, bad
+    events, (bad_status, bad_body) = asyncio.run(go())
+    assert bad_status == 500 and "injected fault" in bad_body["error"]["message"]
+    assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[-2])["error"]["message"], events[-3:]
+    chunks = [json.loads(e) for e in events[:-2]]
+    assert len(chunks) >= 3 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert engine.front.faults == faults + 1 and engine.front.error is None       # one fault: the server serves on
 
 
 def _health(base: str) -> int | None:
@@ -157,28 +167,38 @@ def test_a_killed_tensor_parallel_worker_ends_in_the_dead_path_within_seconds(ti
     from step17_tensor_parallel.engine import TPEngine
     engine = TPEngine(tiny_qwen3_dir, PagedSchedulerConfig(max_num_seqs=4, kv_cache_bytes=16 * 2**20),
                       tensor_parallel_size=2, dtype=torch.float32, timeout_s=10)
-    workers = list(engine.workers)
-    front = AsyncEngine(engine)
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    dead = []
-    front.on_dead = dead.append
-
-    async def go():
-        async def one():
-            try:
-                return [e.token_id async for e in front.generate([1, 2, 3, 4, 5], params)]
-            except Exception as e:  # noqa: BLE001
-                return e
-        tasks = [asyncio.create_task(one()) for _ in range(3)]
-        await asyncio.sleep(1.0)
-        os.kill(workers[0].pid, signal.SIGKILL)
-        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)   # a bound against a hang
+    front = None
     try:
+        workers = list(engine.workers)
+        front = AsyncEngine(engine)
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        dead = []
+        front.on_dead = dead.append
+
+        async def go():
+            every_one_decoding = [asyncio.Event() for _ in range(3)]
+
+            async def one(decoding: asyncio.Event):
+                try:
+                    out = []
+                    async for e in front.generate([1, 2, 3, 4, 5], params):
+                        out.append(e.token_id)
+                        decoding.set()
+                    return out
+                except Exception as e:  # noqa: BLE001
+                    return e
+            tasks = [asyncio.create_task(one(d)) for d in every_one_decoding]
+            # Kill once every request has tokens (all are mid-run, 400 tokens to go), not after a
+            # guessed sleep: on a fast machine they could be done by then.
+            await asyncio.wait_for(asyncio.gather(*(d.wait() for d in every_one_decoding)), timeout=60)
+            os.kill(workers[0].pid, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)   # a bound against a hang
         out = asyncio.run(go())
         assert all(isinstance(o, (StepFailed, EngineDead)) for o in out), out
         assert isinstance(front.error, EngineDead) and "closed itself" in str(front.error)
         assert dead
         assert all(not p.is_alive() for p in workers)
     finally:
-        front.shutdown()
+        if front is not None:
+            front.shutdown()
         engine.close()
