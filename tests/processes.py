@@ -54,6 +54,23 @@ def reap(procs: list[psutil.Process]) -> list[str]:
     return named
 
 
+def still_running(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Those of procs still running after up to timeout_s. A zombie has ended (it only waits to be
+    reaped, by init when its parent died, which a container's init may do late)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
 def our_children() -> list[psutil.Process]:
     """Live child processes of this one, less the LONG_LIVED helpers (multiprocessing's resource
     tracker, inductor's compile workers: started once, meant to live as long as we do)."""

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from tests.processes import kill_tree, torchrun_agents
+from tests.processes import kill_tree, still_running, torchrun_agents
 
 PARENT = """
 import multiprocessing as mp, os, subprocess, sys, time
@@ -56,7 +56,7 @@ def _child_of_killed_parent(tmp_path, how: str, arm: str) -> psutil.Process:
 def test_a_child_dies_with_the_process_that_started_it(tmp_path, how):
     """process: a worker that called die_with_parent(); popen: a program started by popen_tied."""
     child = _child_of_killed_parent(tmp_path, how, "1")
-    gone, alive = psutil.wait_procs([child], timeout=5)
+    alive = still_running([child], 5)
     for p in alive:
         p.kill()
     assert not alive, f"the child ({how}) outlived its killed parent"
@@ -136,12 +136,12 @@ def test_killing_node_1s_torchrun_agent_ends_its_worker_and_fails_rank_0(tiny_qw
         workers = psutil.Process(agents[1].pid).children(recursive=True)
         assert workers, "node 1's agent has no worker"
         os.kill(agents[1].pid, signal.SIGKILL)                 # the agent alone, as a scheduler would
-        _, alive = psutil.wait_procs(workers, timeout=10)
+        alive = still_running(workers, 10)
         assert not alive, f"node 1's worker outlived its agent: {[p.pid for p in alive]}"
         failed = _wait_for(out0, "FAILED", 60)
         assert "step failed" in failed or "connection lost" in failed, failed   # a WorkerFailed, not a hang
         rank0 = psutil.Process(agents[0].pid).children(recursive=True)
-        _, alive = psutil.wait_procs(rank0, timeout=30)   # rank 0 ends; its agent then waits out
+        alive = still_running(rank0, 30)   # rank 0 ends; its agent then waits out
         assert not alive, "rank 0 did not end"               # torchrun's exit barrier for node 1's
     finally:
         for p in spawned:                  # torchrun puts workers in sessions of their own: kill them by pid

@@ -17,7 +17,8 @@ from step17_tensor_parallel.control import RendezvousError
 from step17_tensor_parallel.engine import TPEngine, WorkerFailed
 from step17_tensor_parallel.launch import NodeLaunch, placement, placement_table
 from step17_tensor_parallel.node import run_torchrun_worker
-from tests.processes import fake_torchrun_env, free_port, gone, kill_tree, new_children, start_node, torchrun_tokens
+from tests.processes import (fake_torchrun_env, free_port, gone, kill_tree, new_children, start_node, still_running,
+                             torchrun_tokens)
 
 
 # Two 'machines' on loopback, torchrun included: about a minute for the four files; CI runs them (make test-slow).
@@ -123,7 +124,7 @@ def test_a_node_killed_mid_run_ends_the_engine_in_seconds(tiny_qwen3_dir, what):
                 kill_tree(node1)
             else:
                 node1.kill()
-                _, alive = psutil.wait_procs(workers, timeout=10)
+                alive = still_running(workers, 10)
                 assert not alive, f"node 1's worker outlived its launcher: {[p.pid for p in alive]}"
             for p in PROMPTS:
                 engine.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True))
