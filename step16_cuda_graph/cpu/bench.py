@@ -44,7 +44,7 @@ from step16_cuda_graph import engine as lesson16
 from step16_cuda_graph.cpu import engine as fast_path
 from step16_cuda_graph.cpu.bench_linears import run_linears
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]           # the repository (this file is step16_cuda_graph/cpu/bench.py)
 DTYPE = torch.bfloat16             # main() sets it from --dtype
 VLLM_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
