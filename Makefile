@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: demo test test-slow test-baseline install clean-cache compare-vllm check-arm figures soak
+.PHONY: demo test test-slow test-baseline install clean-cache compare-vllm compare-llamacpp check-arm figures soak
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv .venv
@@ -75,3 +75,27 @@ $(VLLM_STAMP):
 unexport VLLM_ARGS
 compare-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python step18_benchmark/vllm_bench.py $(VLLM_ARGS)
+
+# Opt-in: llama.cpp (llama-cpp-python, built here from PyPI's source with the flags this CPU runs:
+# step18_benchmark/llamacpp_flags.py) in its own venv, batch-1 decode beside ours on the same
+# weights (step18_benchmark/llamacpp_bench.py). The build takes several minutes on 2 cores.
+LLAMA_VERSION := 0.3.36
+LLAMA_VENV := .venv-llamacpp
+LLAMA_STAMP := $(LLAMA_VENV)/.installed
+LLAMA_SRC := build/llamacpp
+
+$(LLAMA_STAMP): $(STAMP)
+	python3 -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install --upgrade pip
+	mkdir -p $(LLAMA_SRC)
+	$(LLAMA_VENV)/bin/pip download --no-deps --no-binary :all: -d $(LLAMA_SRC) llama-cpp-python==$(LLAMA_VERSION)
+	# The source also holds llama.cpp's checkpoint converter (convert_hf_to_gguf.py and its gguf-py).
+	tar xzf $(LLAMA_SRC)/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(LLAMA_SRC)
+	CMAKE_ARGS="$$($(PY) -m step18_benchmark.llamacpp_flags)" $(LLAMA_VENV)/bin/pip install --no-cache-dir \
+		$(LLAMA_SRC)/llama_cpp_python-$(LLAMA_VERSION).tar.gz
+	# The converter runs in our venv (torch, transformers) but imports sentencepiece: from here.
+	$(LLAMA_VENV)/bin/pip install sentencepiece
+	touch $(LLAMA_STAMP)
+
+compare-llamacpp: $(LLAMA_STAMP)
+	$(PY) step18_benchmark/llamacpp_bench.py $(LLAMA_ARGS)
