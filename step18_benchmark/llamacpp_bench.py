@@ -52,13 +52,17 @@ import llama_cpp
 path, prompt, n, threads = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + n + 16, n_batch=512, n_threads=threads,
                       n_threads_batch=threads, verbose=False)
+vocab = llm.n_vocab()
+
+def greedy():   # the last position's logits, read in place (Llama.scores is only filled with logits_all)
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))))
 llm.eval(prompt)
-tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+tok = greedy()
 out = [tok]
 t0 = time.perf_counter()
 for _ in range(n):
     llm.eval([tok])
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = greedy()
     out.append(tok)
 secs = time.perf_counter() - t0
 print(json.dumps({"tok_s": n / secs, "tokens": out, "version": llama_cpp.__version__}))

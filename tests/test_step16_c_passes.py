@@ -80,3 +80,58 @@ def test_row_argmax_picks_what_torch_picks(monkeypatch):
     before = len(calls)
     assert torch.equal(KernelSampler()(logits, params), logits.argmax(dim=-1))
     assert calls[before:] == [(3, 50, 50)], "KernelSampler's greedy pick did not go through row_argmax_f32"
+
+
+def _gemv_build():
+    """The library and whether its build has gemv_bf16 (its AVX-512 BF16 build must)."""
+    from step14_batched_forward import kernel
+    from step16_cuda_graph.cpu import ops
+    lib = ops.kernels_library()
+    if lib is None:
+        pytest.skip("elementwise.cpp could not be built (no compiler, or MINIVLLM_KERNEL=0)")
+    bf16_build = kernel.isa(lib) in ("avx512_bf16", "amx")
+    assert (ops.gemv_max_rows() == 4) == bf16_build, (kernel.isa(lib), ops.gemv_max_rows())
+    if not bf16_build:
+        pytest.skip(f"gemv_bf16 is in the AVX-512 BF16 build only; this one is {kernel.isa(lib)!r}")
+    return ops
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("N, K", [(960, 576), (37, 96), (3, 1024), (1, 32)])
+def test_gemv_is_the_matmul_to_bf16_rounding(M, N, K):
+    """gemv_bf16 (a linear of one to four rows on the plain weight) against a float32 matmul of
+    the same bf16 numbers: each output is that sum rounded to bf16, the sum's order aside."""
+    ops = _gemv_build()
+    g = torch.Generator().manual_seed(M * N + K)
+    x, w = torch.randn(M, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
+    y = ops.gemv(x, w)
+    want = x.float() @ w.float().t()
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    torch.testing.assert_close(y.float(), want, rtol=2 ** -8, atol=1e-3 * K ** 0.5)
+
+
+def test_small_steps_take_the_gemv_and_larger_ones_onednn(tiny_qwen3_dir):
+    """The fast path's bf16 linears keep a plain copy of their weight; a step of up to 4 rows
+    goes to gemv_bf16 (eager and through the op), more rows to oneDNN's packed call, both giving
+    the linear's numbers; small_rows=False keeps no copy."""
+    ops = _gemv_build()
+    from step04_transformer.loader import load_model
+    from step14_batched_forward.packed_linear import PackedLinear
+    from step16_cuda_graph.cpu.engine import cpu_fast_path
+    from step16_cuda_graph.cpu.ops import OpPackedLinear
+    model = load_model(tiny_qwen3_dir, torch.bfloat16)
+    fast = cpu_fast_path(model)
+    linears = [m for m in fast.modules() if type(m) is OpPackedLinear]
+    assert linears and all(m.dense is not None for m in linears)
+    assert all(m.dense is None for m in cpu_fast_path(model, small_rows=False).modules() if type(m) is OpPackedLinear)
+    lin = linears[0]
+    calls = []
+    real = ops.kernels_library().gemv_bf16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops.kernels_library(), "gemv_bf16", lambda *a: (calls.append(a[1]), real(*a))[1])
+        for rows in (1, 4, 5, 16):
+            x = torch.randn(rows, lin.in_features).bfloat16()
+            want = PackedLinear.forward(lin, x)                 # oneDNN's packed call
+            for got in (lin(x), torch.ops.minivllm.packed_linear(x, lin.packed, None, lin.out_features, lin.dense)):
+                torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+    assert calls == [1, 1, 4, 4], calls                        # 5 and 16 rows: never the GEMV

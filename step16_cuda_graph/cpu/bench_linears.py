@@ -42,7 +42,7 @@ def run_call_costs(vllm: Callable[..., dict | None]) -> None:
     from step16_cuda_graph.cpu.measure import FUSED_PROJECTIONS, call_us, projection_ms
     tiny = PackedLinear(torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16))
     x = torch.randn(8, 64, dtype=torch.bfloat16)
-    ten = torch.compile(lambda x: [packed_linear(x, tiny.packed, None, 64) for _ in range(10)], fullgraph=True)
+    ten = torch.compile(lambda x: [packed_linear(x, tiny.packed, None, 64, None) for _ in range(10)], fullgraph=True)
     direct = call_us(lambda: torch.ops.mkldnn._linear_pointwise(x, tiny.packed, None, "none", [], ""))
     in_graph = call_us(lambda: ten(x), calls=200) / 10
     print(f"a 64 x 64 bf16 matmul, 8 rows, median of 5 loops: torch's oneDNN op {direct:.1f} us a call; "

@@ -4,7 +4,8 @@ What changes against lesson 16 (`step16_cuda_graph.engine.build_engine`), on a C
   - model transforms, applied here before the engine is made (each returns a new model):
     lesson 14's packing, then q|k|v and gate|up fused into one packed matmul each (fused.py),
     then the packed linears routed through our library op (ops.py) so that a packed model
-    compiles;
+    compiles, each bf16 one also kept in its plain layout for steps of one to four rows, which
+    our GEMV reads faster than oneDNN's call at that size (elementwise.cpp's gemv_bf16);
   - the runner is CpuGraphRunner (runner.py): decode buckets called without Dynamo, prompt
     steps through a dynamic compiled body, a packed LM head;
   - the sampler's greedy pick is one C pass over the float32 logits (`ops.row_argmax`).
@@ -32,17 +33,19 @@ class KernelSampler(Sampler):
     argmax = staticmethod(row_argmax)
 
 
-def cpu_fast_path(model: nn.Module) -> nn.Module:
-    """The model transforms of this lesson, in order; `model` is not changed."""
-    return route_packed_linears(fuse_projections(pack_linears(model), kernels=True))
+def cpu_fast_path(model: nn.Module, small_rows: bool = True) -> nn.Module:
+    """The model transforms of this lesson, in order; `model` is not changed. small_rows: steps
+    of one to four rows through gemv_bf16 on a plain copy of each weight (ops.OpPackedLinear)."""
+    return route_packed_linears(fuse_projections(pack_linears(model), kernels=True), small_rows)
 
 
 def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, attention_backend: str = "auto",
                  use_graph: bool = True, record_now: bool = True, max_bucket: int | None = None,
                  compile_mixed: bool = True, direct_calls: bool = True, sampler: Sampler | None = None,
-                 engine_class: type[Engine] = Engine, **parts) -> Engine:
+                 engine_class: type[Engine] = Engine, small_rows: bool = True, **parts) -> Engine:
     """direct_calls=False: every compiled call goes through Dynamo; compile_mixed=False: prompt
-    steps run eagerly; use_graph=False: lesson 15's engine with this lesson's model and sampler.
+    steps run eagerly; use_graph=False: lesson 15's engine with this lesson's model and sampler;
+    small_rows=False: no plain weight copies, every linear through oneDNN (cpu_fast_path).
     engine_class, parts: as lesson 15's build_engine."""
     config = config or PagedSchedulerConfig()
     device = model.model.embed_tokens.weight.device
@@ -50,11 +53,11 @@ def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, a
     sampler = sampler or KernelSampler()
     if device.type != "cpu" or attention.name != "cpu" or not (use_graph and compile_works()):
         if not use_graph:
-            return lesson16.build_engine(cpu_fast_path(model), config, attention_backend, use_graph=False,
+            return lesson16.build_engine(cpu_fast_path(model, small_rows), config, attention_backend, use_graph=False,
                                          pack_weights=False, sampler=sampler, engine_class=engine_class, **parts)
         return lesson16.build_engine(model, config, attention_backend, True, record_now, max_bucket, sampler=sampler,
                                      engine_class=engine_class, **parts)
-    model = cpu_fast_path(model)
+    model = cpu_fast_path(model, small_rows)
     config = fit_block_size(config, attention)
     pool = create_kv_pool(model, config, attention, extra_blocks=1)
     scheduler = create_scheduler(config, pool.num_blocks - 1, *scheduler_parts(parts))

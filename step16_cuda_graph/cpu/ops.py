@@ -109,32 +109,61 @@ def prompts_apart(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Ten
     return out
 
 
-@library_op("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
-            fake=lambda x, packed_weight, bias, out_features: x.new_empty(x.shape[0], out_features))
-def packed_linear(x: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    """x [N, in] @ W^T + b with W in oneDNN's blocked layout: lesson 14's call, unchanged."""
+@library_op("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, Tensor? dense) -> Tensor",
+            fake=lambda x, packed_weight, bias, out_features, dense: x.new_empty(x.shape[0], out_features))
+def packed_linear(x: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int,
+                  dense: Tensor | None) -> Tensor:
+    """x [N, in] @ W^T + b with W in oneDNN's blocked layout: lesson 14's call. With `dense` (the
+    same W in its plain layout, see OpPackedLinear) and a few rows: our GEMV on it instead."""
+    if dense is not None and x.shape[0] <= gemv_max_rows():
+        return gemv(x, dense)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-class OpPackedLinear(PackedLinear):
-    """Lesson 14's PackedLinear, called through the custom op (same weights, same numbers)."""
+def gemv_max_rows() -> int:
+    """Most rows elementwise.cpp's gemv_bf16 takes (0: not in this build of the library)."""
+    lib = kernels_library()
+    return lib.gemv_rows if lib is not None else 0
 
-    def __init__(self, packed: PackedLinear):
+
+def gemv(x: Tensor, weight: Tensor) -> Tensor:
+    """x [M, K] @ weight [N, K]^T in bf16 for M <= gemv_max_rows(), K % 32 == 0 (gemv_bf16)."""
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], weight.shape[0])
+    kernels_library().gemv_bf16(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], y.data_ptr())
+    return y
+
+
+class OpPackedLinear(PackedLinear):
+    """Lesson 14's PackedLinear, called through the custom op (same weights, same numbers).
+
+    small_rows: also keep the weight in its plain [out, in] layout (memory: the weight once more)
+    and compute steps of at most gemv_max_rows() rows with gemv_bf16 (a decode step of one to four
+    sequences: the case one conversation is); bf16 weights without bias, in_features % 32 == 0,
+    where the library has it. `bench.py batch1` and lesson 18's llamacpp_bench measure it."""
+
+    def __init__(self, packed: PackedLinear, small_rows: bool = True):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.packed, self.bias = packed.packed, packed.bias
+        fits = (small_rows and gemv_max_rows() > 0 and packed.bias is None and packed.in_features % 32 == 0
+                and packed.packed.dtype == torch.bfloat16)
+        self.dense = packed.packed.to_dense().contiguous() if fits else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if not torch.compiler.is_compiling():
-            return super().forward(x)      # eager: skip the op's dispatch cost (~us per call)
-        y = packed_linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        if not torch.compiler.is_compiling():       # eager: skip the op's dispatch cost (~us per call)
+            if self.dense is not None and x2.shape[0] <= gemv_max_rows():
+                return gemv(x2, self.dense).view(*x.shape[:-1], self.out_features)
+            return super().forward(x)
+        y = packed_linear(x2, self.packed, self.bias, self.out_features, self.dense)
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def route_packed_linears(model: torch.nn.Module) -> torch.nn.Module:
+def route_packed_linears(model: torch.nn.Module, small_rows: bool = True) -> torch.nn.Module:
     """`model` with every PackedLinear swapped for an OpPackedLinear sharing its weight (a new
-    model, lesson 14's `replace_modules`; `model` is not changed)."""
-    return replace_modules(model, lambda m: OpPackedLinear(m) if type(m) is PackedLinear else None)
+    model, lesson 14's `replace_modules`; `model` is not changed). small_rows: see OpPackedLinear."""
+    return replace_modules(model, lambda m: OpPackedLinear(m, small_rows) if type(m) is PackedLinear else None)
 
 
 # ---- element-wise chains of a bf16 layer as one C pass each (elementwise.cpp) ---------------
@@ -150,6 +179,9 @@ def kernels_library() -> ctypes.CDLL | None:
     i64, ptr, bind = ctypes.c_int64, ctypes.c_void_p, lesson14_kernel.bind
     bind(lib, "write_kv", [ptr, ptr] + [i64] * 5 + [ptr, ptr, ptr, i64, i64])
     bind(lib, "row_argmax_f32", [ptr, i64, i64, i64, ptr])
+    lib.gemv_rows = 0                                 # gemv_bf16: its AVX-512 BF16 build only
+    if bind(lib, "gemv_max_rows", [], i64) and bind(lib, "gemv_bf16", [ptr, i64, i64, ptr, i64, ptr]):
+        lib.gemv_rows = int(lib.gemv_max_rows())
     lib.has_elementwise = (bind(lib, "elementwise_available", [], i64) and bool(lib.elementwise_available())
                            and bind(lib, "qk_norm_rope_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
                                                                ctypes.c_float, ptr, ptr])
