@@ -99,3 +99,4 @@ $(LLAMA_STAMP): $(STAMP)
 
 compare-llamacpp: $(LLAMA_STAMP)
 	$(PY) step18_benchmark/llamacpp_bench.py $(LLAMA_ARGS)
+	$(PY) advanced/adv01_quantization/vs_llamacpp.py

@@ -9,10 +9,11 @@ One conversation is what llama.cpp is built for, so that is the comparison: a 12
     smollm2-bf16   the embedded SmolLM2-135M-Instruct in bf16. llama.cpp reads a GGUF made by its
                    own converter (convert_hf_to_gguf.py, shipped in llama-cpp-python's source) from
                    our safetensors folder; ours: lesson 16's engine with its CPU fast path.
-    smollm2-q4_1   the package's own Q4_1 GGUF file: llama.cpp reads it as it is; ours: advanced
-                   01's Int4Linear on the file's Q4_1 blocks (lesson 19's LLM, eager).
     qwen3-bf16     the Qwen3-0.6B shape (random weights, lesson 14's benchmark checkpoint) in bf16,
                    converted the same way; ours: the fast-path engine.
+
+Advanced lesson 01 adds a third row with its Q4_1 weights (advanced/adv01_quantization/
+vs_llamacpp.py, which `make compare-llamacpp` runs too): it imports `compare` from here.
 
 Runs alternate (ours, then llama.cpp, ...); ours keeps its engine between runs (built and
 recorded once, as a server would), llama.cpp runs in the interpreter of its own venv
@@ -41,7 +42,7 @@ from minivllm_support.workloads import random_qwen3_06b
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_PYTHON = ROOT / ".venv-llamacpp" / "bin" / "python"
-ROWS = ("smollm2-bf16", "smollm2-q4_1", "qwen3-bf16")
+ROWS = ("smollm2-bf16", "qwen3-bf16")
 PROMPT_TOKENS = 128
 
 # Runs in llama.cpp's venv: load, take the prompt, then time `n` single-token steps (greedy).
@@ -112,19 +113,21 @@ def gguf_bf16(folder: Path, name: str) -> Path:
 class Ours:
     """An engine kept between runs; each run is one request: the prompt, then n timed steps."""
 
-    def __init__(self, row: str):
+    def __init__(self, engine, what: str):
+        self.engine, self.what = engine, what
+
+    @classmethod
+    def fast_path(cls, folder: Path, small_rows: bool = True) -> "Ours":
         from step04_transformer.loader import load_model
         from step12_paged_attention.scheduler import PagedSchedulerConfig
         from step16_cuda_graph.cpu.engine import build_engine
         config = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, kv_cache_bytes=256 * 2**20)
-        if row == "smollm2-q4_1":
-            from advanced.adv01_quantization.engine import q4_1_llm
-            llm, _ = q4_1_llm(dtype="bf16", max_num_seqs=4, kv_cache_bytes=256 * 2**20)
-            self.engine, self.what = llm.engine, "advanced 01: Int4Linear on the file's Q4_1 blocks (eager)"
-        else:
-            folder = embedded_smollm2() if row == "smollm2-bf16" else random_qwen3_06b()
-            self.engine = build_engine(load_model(folder, torch.bfloat16), config)
-            self.what = "lesson 16 + CPU fast path"
+        engine = build_engine(load_model(folder, torch.bfloat16), config, small_rows=small_rows)
+        copies = sum(m.dense.numel() * m.dense.element_size() for m in engine.model.modules()
+                     if getattr(m, "dense", None) is not None)
+        return cls(engine, f"lesson 16 + CPU fast path, steps of <= 4 rows through gemv_bf16 on plain weight "
+                           f"copies ({copies / 1e6:.0f} MB)" if copies else
+                           "lesson 16 + CPU fast path, every linear through oneDNN")
 
     def run(self, prompt: list[int], n: int) -> dict:
         from step06_sampler.params import SamplingParams
@@ -151,15 +154,8 @@ def spread(xs: list[float]) -> str:
     return f"{med:6.1f} ({min(xs):.1f}-{max(xs):.1f})"
 
 
-def compare(row: str, runs: int, n: int, threads: int, seed: int) -> None:
-    if row == "smollm2-q4_1":
-        from advanced.adv01_quantization.gguf_q4_1 import embedded_gguf
-        path = embedded_gguf()
-    elif row == "smollm2-bf16":
-        path = gguf_bf16(embedded_smollm2(), "smollm2-135m-instruct")
-    else:
-        path = gguf_bf16(qwen3_folder(), "qwen3-0.6b-shape-random")
-    ours = Ours(row)
+def compare(row: str, ours: Ours, path: Path, runs: int, n: int, threads: int, seed: int) -> None:
+    """One row: `ours` and llama.cpp on the GGUF file at `path`, taking turns, `runs` each."""
     vocab = ours.engine.model.config.vocab_size
     rng = random.Random(seed)
     prompt = [rng.randrange(1000, vocab - 1000) for _ in range(PROMPT_TOKENS)]
@@ -179,13 +175,16 @@ def compare(row: str, runs: int, n: int, threads: int, seed: int) -> None:
     print(f"{'':13s} ours: {ours.what}; llama.cpp: {path.name}", flush=True)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+def arguments(doc: str, rows: tuple[str, ...]) -> argparse.Namespace:
+    """The command line both scripts take; checks that llama.cpp's venv is there; prints the header."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", choices=rows, default=list(rows))
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128, help="decode steps timed in each run")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small-rows", choices=["on", "off"], default="on",
+                   help="off: ours without gemv_bf16, every linear through oneDNN (build_engine small_rows=False)")
     args = p.parse_args()
     if args.runs < 1 or args.tokens < 1 or args.threads < 1:
         p.error("--runs, --tokens and --threads must be >= 1")
@@ -196,8 +195,18 @@ def main() -> None:
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
     print(f"batch 1: a {PROMPT_TOKENS}-token prompt (not timed), then {args.tokens} greedy tokens timed; "
           f"{args.threads} threads each; {args.runs} alternating runs; decode tok/s median (min-max)\n")
+    return args
+
+
+def main() -> None:
+    args = arguments(__doc__, ROWS)
     for row in args.rows:
-        compare(row, args.runs, args.tokens, args.threads, args.seed)
+        if row == "smollm2-bf16":
+            folder, path = embedded_smollm2(), gguf_bf16(embedded_smollm2(), "smollm2-135m-instruct")
+        else:
+            folder, path = random_qwen3_06b(), gguf_bf16(qwen3_folder(), "qwen3-0.6b-shape-random")
+        compare(row, Ours.fast_path(folder, args.small_rows == "on"), path, args.runs, args.tokens, args.threads,
+                args.seed)
     print(f"\nload average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
