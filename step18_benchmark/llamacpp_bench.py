@@ -38,7 +38,7 @@ import torch
 
 from minivllm_support.cli import machine
 from minivllm_support.models import cache_dir, embedded_smollm2, package_dir
-from minivllm_support.workloads import random_qwen3_06b
+from minivllm_support.workloads import random_qwen3_06b, weight_floor
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_PYTHON = ROOT / ".venv-llamacpp" / "bin" / "python"
@@ -113,8 +113,8 @@ def gguf_bf16(folder: Path, name: str) -> Path:
 class Ours:
     """An engine kept between runs; each run is one request: the prompt, then n timed steps."""
 
-    def __init__(self, engine, what: str):
-        self.engine, self.what = engine, what
+    def __init__(self, engine, what: str, floor: tuple[float, float, float] | None = None):
+        self.engine, self.what, self.floor = engine, what, floor     # floor: weight_floor() of the model
 
     @classmethod
     def fast_path(cls, folder: Path, small_rows: bool = True) -> "Ours":
@@ -122,12 +122,14 @@ class Ours:
         from step12_paged_attention.scheduler import PagedSchedulerConfig
         from step16_cuda_graph.cpu.engine import build_engine
         config = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, kv_cache_bytes=256 * 2**20)
-        engine = build_engine(load_model(folder, torch.bfloat16), config, small_rows=small_rows)
+        model = load_model(folder, torch.bfloat16)
+        floor = weight_floor(model)
+        engine = build_engine(model, config, small_rows=small_rows)
         copies = sum(m.dense.numel() * m.dense.element_size() for m in engine.model.modules()
                      if getattr(m, "dense", None) is not None)
         return cls(engine, f"lesson 16 + CPU fast path, steps of <= 4 rows through gemv_bf16 on plain weight "
                            f"copies ({copies / 1e6:.0f} MB)" if copies else
-                           "lesson 16 + CPU fast path, every linear through oneDNN")
+                           "lesson 16 + CPU fast path, every linear through oneDNN", floor)
 
     def run(self, prompt: list[int], n: int) -> dict:
         from step06_sampler.params import SamplingParams
@@ -173,6 +175,11 @@ def compare(row: str, ours: Ours, path: Path, runs: int, n: int, threads: int, s
     print(f"{row:13s} ours {spread(mine)}  llama.cpp {version} {spread(theirs)}  ours/llama.cpp {ratio:.2f}x  "
           f"same first tokens: {min(agree)}-{max(agree)} of 16", flush=True)
     print(f"{'':13s} ours: {ours.what}; llama.cpp: {path.name}", flush=True)
+    if ours.floor is not None:
+        nbytes, bandwidth, floor = ours.floor
+        print(f"{'':13s} weight-read floor: {floor:.1f} tok/s ({nbytes / 1e9:.2f} GB a step at {bandwidth / 1e9:.1f} GB/s, "
+              f"a float32 sum's read speed); ours at {statistics.median(mine) / floor:.2f}x of it, "
+              f"llama.cpp at {statistics.median(theirs) / floor:.2f}x", flush=True)
 
 
 def arguments(doc: str, rows: tuple[str, ...]) -> argparse.Namespace:
