@@ -135,3 +135,32 @@ def test_small_steps_take_the_gemv_and_larger_ones_onednn(tiny_qwen3_dir):
             for got in (lin(x), torch.ops.minivllm.packed_linear(x, lin.packed, None, lin.out_features, lin.dense)):
                 torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
     assert calls == [1, 1, 4, 4], calls                        # 5 and 16 rows: never the GEMV
+
+
+def test_small_steps_take_their_logits_from_the_gemv_too(tiny_qwen3_dir):
+    """The fast-path runner computes the logits of up to 4 rows with gemv_bf16 on the head's own
+    plain weight (the embedding, tied: shared, not copied), the packed head's numbers to bf16
+    rounding; more rows, and small_rows=False, go through the packed head."""
+    ops = _gemv_build()
+    from step04_transformer.loader import load_model
+    from step12_paged_attention.scheduler import PagedSchedulerConfig
+    from step16_cuda_graph.cpu.engine import build_engine
+    from step16_cuda_graph.cpu.runner import CpuGraphRunner
+    model = load_model(tiny_qwen3_dir, torch.bfloat16)
+    config = PagedSchedulerConfig(max_num_seqs=8, kv_cache_bytes=1 << 20)
+    runner = build_engine(model, config, record_now=False).runner
+    if type(runner) is not CpuGraphRunner:
+        pytest.skip("torch.compile does not work here: no fast-path runner")
+    assert runner.head_plain is not None
+    assert runner.head_plain.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert build_engine(model, config, record_now=False, small_rows=False).runner.head_plain is None
+    calls = []
+    real = ops.kernels_library().gemv_bf16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops.kernels_library(), "gemv_bf16", lambda *a: (calls.append(a[1]), real(*a))[1])
+        for rows in (1, 4, 6):
+            h = torch.randn(rows, model.config.hidden_size).bfloat16()
+            got = runner.compute_logits(h)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, runner.lm_head(h).float(), rtol=2 ** -7, atol=1e-2)
+    assert calls == [1, 4], calls

@@ -62,7 +62,7 @@ def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, a
     pool = create_kv_pool(model, config, attention, extra_blocks=1)
     scheduler = create_scheduler(config, pool.num_blocks - 1, *scheduler_parts(parts))
     runner = CpuGraphRunner(model, pool, attention, max_bucket or config.max_num_seqs, pool.num_blocks - 1,
-                            direct_calls, compile_mixed)
+                            direct_calls, compile_mixed, small_rows)
     if record_now:
         runner.record_seconds = runner.warm_up()
     return engine_class(model, scheduler, pool, attention, runner, sampler, **parts)

@@ -29,6 +29,7 @@ from step14_batched_forward.packed_linear import PackedLinear, can_pack
 from step15_flash_attention.backends import AttentionBackend
 from step16_cuda_graph.runner import GraphRunner
 from step16_cuda_graph.cpu.mixed import MixedStepRunner
+from step16_cuda_graph.cpu.ops import gemv, gemv_max_rows
 
 
 def module_tensors(module: nn.Module) -> dict[str, Tensor]:
@@ -101,7 +102,9 @@ def packed_lm_head(model) -> PackedLinear | None:
         return None
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     head.weight = weight                 # shared, not copied: only the packed layout is new
-    return PackedLinear(head)
+    packed = PackedLinear(head)
+    packed.weight_plain = weight.detach()    # the plain weight too (shared), for gemv_bf16
+    return packed
 
 
 class CpuGraphRunner(GraphRunner):
@@ -109,9 +112,11 @@ class CpuGraphRunner(GraphRunner):
     body, logits through a packed head (CPU, head-major pool, lesson 15's "cpu" backend)."""
 
     def __init__(self, model, pool, attention: AttentionBackend, max_batch: int, scratch_block: int,
-                 direct_calls: bool = True, compile_mixed: bool = True):
+                 direct_calls: bool = True, compile_mixed: bool = True, small_rows: bool = True):
         """direct_calls=False: every call of a compiled body goes through Dynamo (for comparison).
-        compile_mixed=False: prompt steps run eagerly, as in lesson 16."""
+        compile_mixed=False: prompt steps run eagerly, as in lesson 16. small_rows: logits of
+        up to gemv_max_rows() rows by gemv_bf16 on the head's plain weight (the embedding when
+        tied: no copy), as ops.OpPackedLinear does for the layers' linears."""
         super().__init__(model, pool, attention, max_batch, scratch_block)
         self.mode = "compile"
         self.layer_attention = {b: [OpAttention(self, i, b) for i in range(model.config.num_layers)]
@@ -125,6 +130,10 @@ class CpuGraphRunner(GraphRunner):
         self.mixed = MixedStepRunner(model, pool) if compile_mixed else None
         self.lm_head = packed_lm_head(model)
         self._logits: Tensor | None = None       # float32 [rows, vocab], reused by every step
+        self.head_plain = self.lm_head.weight_plain if small_rows and self.lm_head is not None else None
+        if self.head_plain is not None and not (gemv_max_rows() and self.head_plain.dtype == torch.bfloat16
+                                                 and self.head_plain.shape[1] % 32 == 0):
+            self.head_plain = None
 
     def warm_up(self) -> float:
         """Record every bucket and compile the prompt-step body before serving; seconds."""
@@ -139,7 +148,10 @@ class CpuGraphRunner(GraphRunner):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         if self.lm_head is None:
             return super().compute_logits(hidden)
-        logits = self.lm_head(hidden)
+        if self.head_plain is not None and hidden.shape[0] <= gemv_max_rows():
+            logits = gemv(hidden, self.head_plain)      # the same bf16 logits, streamed in order
+        else:
+            logits = self.lm_head(hidden)
         n, vocab = logits.shape
         if self._logits is None or self._logits.shape[0] < n:
             self._logits = torch.empty(max(n, self.buckets[-1]), vocab)
