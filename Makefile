@@ -74,7 +74,7 @@ $(VLLM_STAMP):
 # make puts command-line variables in the recipe's environment; vLLM warns about unknown VLLM_* ones.
 unexport VLLM_ARGS
 compare-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python step18_benchmark/vllm_bench.py $(VLLM_ARGS)
+	$(PY) step18_benchmark/vs_vllm.py $(VLLM_ARGS)
 
 # Opt-in: llama.cpp (llama-cpp-python, built here from PyPI's source with the flags this CPU runs:
 # step18_benchmark/llamacpp_flags.py) in its own venv, batch-1 decode beside ours on the same

