@@ -48,14 +48,19 @@ def time_steps(engine, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def weight_floor(model) -> tuple[float, float, float]:
-    """Bytes one decode step must read (every weight once; the embedding only as the LM head),
-    the machine's read bandwidth (a float32 sum over 2 GiB), and their ratio."""
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    big = torch.ones(2**29, dtype=torch.float32)      # 2 GiB; a float32 sum is bound by memory, not by math
+def read_bandwidth() -> float:
+    """Bytes a second this machine reads: a float32 sum over 2 GiB (bound by memory, not math)."""
+    big = torch.ones(2**29, dtype=torch.float32)
     big.sum()
     t0 = time.perf_counter()
     for _ in range(3):
         big.sum()
-    bandwidth = 3 * big.numel() * 4 / (time.perf_counter() - t0)
+    return 3 * big.numel() * 4 / (time.perf_counter() - t0)
+
+
+def weight_floor(model) -> tuple[float, float, float]:
+    """Bytes one decode step must read (every weight once; the embedding only as the LM head),
+    the machine's read bandwidth (read_bandwidth), and their ratio."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = read_bandwidth()
     return nbytes, bandwidth, bandwidth / nbytes

@@ -8,6 +8,9 @@
                                                         # wall time, prefill tok/s, peak memory
     python step15_flash_attention/bench.py workload    # lesson 14's bench workload (64 requests),
                                                         # lesson 14 and 15 alternating
+    python step15_flash_attention/bench.py decode      # a decode step's attention, 28 layers, blocks
+                                                        # scattered over a pool: the K/V read rate
+                                                        # against the machine's (a float32 sum)
 
 Each prefill run is its own process; the memory printed is how far its peak resident memory
 (VmHWM, reset once the model and the zero-filled KV pool are resident) rose during the prefill:
@@ -199,9 +202,42 @@ def run_workload(rounds: int, seed: int) -> None:
           f"(lesson 15 / lesson 14 = {best14 / best15:.2f}x)")
 
 
+def decode_rate(batch: int = 48, context: int = 400, block_size: int = 16, reps: int = 4) -> None:
+    """The attention of one decode step of the Qwen3-0.6B shape (16 q heads, 8 KV heads, D 128,
+    bf16): `batch` sequences of `context` tokens, their blocks at random places of a pool larger
+    than the caches (as in a server that has been running a while), 28 layers of it."""
+    import random
+    from minivllm_support.workloads import read_bandwidth
+    from step15_flash_attention.flash_cpu import flash_attention_cpu
+    per_seq = -(-context // block_size)
+    pool_blocks = 4 * batch * per_seq                  # a quarter of it in use
+    layers = [(torch.randn(pool_blocks, 8, block_size, 128).bfloat16(), torch.randn(pool_blocks, 8, block_size, 128).bfloat16())
+              for _ in range(4)]                   # 4 pools take turns as the 28 layers: 4 x 2 x 0.3 GB
+    where = random.Random(0).sample(range(pool_blocks), batch * per_seq)
+    tables = torch.tensor(where).view(batch, per_seq)
+    q, cu, lens = torch.randn(batch, 16, 128).bfloat16(), torch.arange(batch + 1), torch.full((batch,), context)
+
+    def step() -> None:
+        for i in range(28):
+            k, v = layers[i % len(layers)]
+            flash_attention_cpu(q, k, v, cu, lens, tables, check=False)
+    step()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t0)
+    nbytes = batch * context * 28 * 2 * 8 * 128 * 2           # K and V, every layer, bf16
+    rate = read_bandwidth()
+    print(f"decode attention, {batch} sequences x {context} tokens, block size {block_size}, blocks scattered "
+          f"over the pool, 28 layers (best of {reps}):")
+    print(f"  {best * 1e3:.1f} ms a step, K/V read at {nbytes / best / 1e9:.1f} GB/s; this machine reads "
+          f"{rate / 1e9:.1f} GB/s (a float32 sum): {nbytes / best / rate:.2f}x of it")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["kernel", "prefill", "workload", "_one"])
+    p.add_argument("what", choices=["kernel", "prefill", "workload", "decode", "_one"])
     p.add_argument("engine", nargs="?", help=argparse.SUPPRESS)
     p.add_argument("length", nargs="?", type=int, help=argparse.SUPPRESS)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
@@ -230,6 +266,8 @@ def main() -> None:
         for dtype in (torch.bfloat16, torch.float32):
             print(f"\none layer's attention, {dtype}:")
             kernel_vs_sdpa(args.kernel_length, args.reps, dtype)
+    elif args.what == "decode":
+        decode_rate(reps=max(args.reps, 4))
     elif args.what == "prefill":
         prefill(args.lengths + ([32768] if args.long else []), args.budget, args.threads, args.skip_lesson14)
     else:

@@ -452,6 +452,11 @@ void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, in
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (fast.scores) {
+        // The next block's K and V pieces (4 KB each at block size 16, D 128: a page each, and
+        // anywhere in the pool), asked for whole into L2 while this block computes, so their
+        // loads overlap this block's arithmetic. Without a matrix unit a decode over scattered
+        // blocks reads its pool well below the memory's rate (`bench.py decode` prints both).
+        if (next >= 0) prefetch_l2(kp + next, bs * D), prefetch_l2(vp + next, bs * D);
         fast.scores(qh, kb, vb, next >= 0 ? kp + next : nullptr, next >= 0 ? vp + next : nullptr, cnt, bs, a.scale, s);
         online_rescale(w.m, w.l, s, cnt, bs, group, D, acc);
         fast.pv(s, vb, cnt, bs, acc);

@@ -41,9 +41,12 @@ from step15_flash_attention.engine import ModelRunner
 from step15_flash_attention.flash_cpu import check_inputs, flash_attention_cpu
 
 
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 (nano-vllm's choice), ending at max_num_seqs."""
-    base = [1, 2, 4, 8] + list(range(16, max_num_seqs, 16))
+def batch_buckets(max_num_seqs: int, step: int = 16) -> list[int]:
+    """1, 2, 4, 8, then every `step` from 16 (16: nano-vllm's choice; 8: vLLM's capture sizes),
+    ending at max_num_seqs."""
+    if step not in (8, 16):
+        raise ValueError(f"bucket step must be 8 or 16, got {step}")
+    base = [1, 2, 4, 8] + list(range(16, max_num_seqs, step))
     return [b for b in base if b < max_num_seqs] + [max_num_seqs]
 
 
@@ -101,6 +104,8 @@ def _layer_body(layer, x: Tensor, cos: Tensor, sin: Tensor, attn: StaticAttentio
 class GraphRunner(ModelRunner):
     """Lesson 15's runner, with decode-only steps of up to max_batch sequences replayed."""
 
+    bucket_step = 16       # buckets 1, 2, 4, 8, 16, 32, 48, ... (batch_buckets)
+
     def __init__(self, model, pool, attention: AttentionBackend, max_batch: int, scratch_block: int):
         super().__init__(model)
         self.pool, self.kernel, self.scratch_block = pool, attention.kernel, scratch_block
@@ -108,7 +113,7 @@ class GraphRunner(ModelRunner):
         cfg = model.config
         self.mode = ("cuda-graph" if self.device.type == "cuda" else
                      "compile" if attention.name == "cpu" and compile_works() else "eager")
-        self.buckets = batch_buckets(max_batch)
+        self.buckets = batch_buckets(max_batch, self.bucket_step)
         self.static = StaticInputs(self.buckets[-1], pool.num_kv_heads, -(-cfg.max_position_embeddings // pool.block_size),
                                    self.device)
         self.layer_attention = {b: [StaticAttention(self, i, b) for i in range(cfg.num_layers)] for b in self.buckets}

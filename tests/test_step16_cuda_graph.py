@@ -66,6 +66,10 @@ def test_buckets():
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     assert batch_buckets(5) == [1, 2, 4, 5]
     assert batch_buckets(1) == [1]
+    assert batch_buckets(64, step=8) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(20, step=8) == [1, 2, 4, 8, 16, 20]
+    with pytest.raises(ValueError, match="8 or 16"):
+        batch_buckets(64, step=4)
 
 
 @needs_kernel

@@ -24,7 +24,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from step14_batched_forward import kernel as lesson14_kernel
@@ -59,49 +58,31 @@ def library_op(schema: str, fake):
             fake=lambda q, *args: torch.empty_like(q))
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
                     cu_seqlens_q: Tensor, seq_lens: Tensor, block_tables: Tensor) -> Tensor:
-    """Write k/v [T, Hkv, D] at `rows` of the head-major pool, then lesson 15's kernel (a bf16
-    step with prompt rows: `prompts_apart`).
+    """Write k/v [T, Hkv, D] at `rows` of the head-major pool, then lesson 15's kernel; a bf16
+    step with prompt rows on a CPU with AMX tiles: `prompts_apart`.
 
     The runner checked the metadata once for the step (a check here would run every layer).
     """
     write_kv(k, v, k_cache, v_cache, rows)
-    if q.dtype == torch.bfloat16 and q.shape[0] > seq_lens.shape[0]:   # some sequence brings prompt rows
-        return prompts_apart(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+    if q.shape[0] > seq_lens.shape[0] and amx_prefill_fits(q, k_cache):   # prompt rows, and tiles for them
+        return prompts_apart(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
     return flash_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, check=False)
 
 
-def prompts_apart(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor,
-                      seq_lens: Tensor, block_tables: Tensor) -> Tensor:
-    """A bf16 step with prompt rows: the prompt chunks go to a matrix unit, the decodes to lesson
-    15's kernel (a sub-batch of just those sequences).
+def prompts_apart(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
+                  block_tables: Tensor) -> Tensor:
+    """A bf16 step with prompt rows on a CPU with AMX tiles: the prompt chunks go to the matrix
+    unit (one call of lesson 15's amx_prefill.cpp for all of them, keys read from the pool where
+    this step's rows were just written), the decodes to lesson 15's kernel as a sub-batch.
 
-    Prompt chunks: on a CPU with AMX tiles, one call of lesson 15's amx_prefill.cpp for all of them (keys
-    read from the pool, where this step's rows were just written); elsewhere torch's SDPA chunk
-    by chunk, whose CPU flash kernel does its matmuls through oneDNN. A chunk that starts its
-    prompt attends to the step's own k and v, causally; a later chunk to its whole prefix,
-    copied out of the pool, under a causal mask aligned to the last key. bf16 only: in float32
-    the tests hold the engine to lesson 15 exactly. `bench.py prefill` measures these paths."""
+    Without tiles every row stays with lesson 15's kernel: on a CPU of AVX-512 or AVX2 it is
+    faster than torch's SDPA for the prompt chunks a step holds (up to 512 queries; `bench.py
+    prefill` and lesson 15's `bench.py kernel` measure both). In float32 the tests hold the
+    engine to lesson 15 exactly; here, to bf16 rounding."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
-    bs = k_cache.shape[2]
+    amx_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
-    if amx_prefill_fits(q, k_cache):
-        amx_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
-    else:
-        for b, L in enumerate(lens):
-            s, e = cu[b], cu[b + 1]
-            if e - s == 1:
-                continue
-            if e - s == L:                                # the whole prefix is this step's rows
-                keys, values, mask = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), None
-            else:                                         # [blocks, Hkv, bs, D] -> [Hkv, L, D]
-                blocks = block_tables[b, :-(-L // bs)]
-                keys, values = (c[blocks].transpose(0, 1).flatten(1, 2)[:, :L] for c in (k_cache, v_cache))
-                mask = torch.ones(e - s, L, dtype=torch.bool).tril(L - (e - s))   # query i sees keys <= L-n+i
-            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
-                                               values.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=True)
-            out[s:e] = o[0].transpose(0, 1)
     if decodes:
         rows, idx = torch.tensor([cu[b] for b in decodes]), torch.tensor(decodes)
         out[rows] = flash_attention_cpu(q[rows], k_cache, v_cache, torch.arange(len(decodes) + 1),

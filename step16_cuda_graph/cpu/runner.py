@@ -111,6 +111,11 @@ class CpuGraphRunner(GraphRunner):
     """Decode buckets through our ops and direct calls, prompt steps through a dynamic compiled
     body, logits through a packed head (CPU, head-major pool, lesson 15's "cpu" backend)."""
 
+    # A bucket every 8 sequences above 16, not every 16 (vLLM's capture sizes). On a GPU a step
+    # of 40 rows and one of 48 take about the same time; on two CPU cores a decode step of 40+
+    # rows is busy with arithmetic, so every pad row costs what a real row does.
+    bucket_step = 8
+
     def __init__(self, model, pool, attention: AttentionBackend, max_batch: int, scratch_block: int,
                  direct_calls: bool = True, compile_mixed: bool = True, small_rows: bool = True):
         """direct_calls=False: every call of a compiled body goes through Dynamo (for comparison).
