@@ -11,6 +11,8 @@ Inside it, without changing the engine, the parts of each step are timed by wrap
 rest is the step's own Python), and the process counts what could make a run slow that the
 code does not show: garbage-collector pauses (by generation, via gc.callbacks), Dynamo
 recompiles, page faults, context switches the kernel forced on us, and the spread of step times.
+It also splits the run into steps with prompt rows and decode-only steps, and says how much of
+each was attention (lesson 15's kernel).
 
 Variants:
     default   the engine as built
@@ -67,6 +69,40 @@ def timed(owner, name: str, totals: dict) -> None:
     setattr(owner, name, wrapper)
 
 
+def watch_batches(scheduler) -> dict:
+    """Keep the batch each schedule() returns in the dict returned (key "batch")."""
+    last: dict = {}
+    inner = scheduler.schedule
+
+    def schedule(*args, **kwargs):
+        last["batch"] = inner(*args, **kwargs)
+        return last["batch"]
+    scheduler.schedule = schedule
+    return last
+
+
+class AttentionClock:
+    """Seconds in lesson 15's kernel, as the fast path's attention op calls it (ops.py looks the
+    function up by name at each call), for batches with prompt rows and decode-only ones. On a
+    CPU with AMX tiles the prompt chunks go to amx_prefill instead and are not counted here."""
+
+    def __init__(self, totals: dict):
+        from step16_cuda_graph.cpu import ops
+        self.ops, self.inner = ops, ops.flash_attention_cpu
+
+        def flash(q, k_cache, v_cache, cu_seqlens_q, seq_lens, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return self.inner(q, k_cache, v_cache, cu_seqlens_q, seq_lens, *args, **kwargs)
+            finally:
+                kind = "prompt" if q.shape[0] > seq_lens.shape[0] else "decode"
+                totals[f"attention_{kind}"] += time.perf_counter() - t0
+        ops.flash_attention_cpu = flash
+
+    def undo(self) -> None:
+        self.ops.flash_attention_cpu = self.inner
+
+
 def one_run(variant: str, requests: int, seed: int, threads: int) -> dict:
     import torch
     import torch._dynamo.utils
@@ -91,6 +127,8 @@ def one_run(variant: str, requests: int, seed: int, threads: int) -> dict:
         timed(engine, name, totals)
     timed(engine.scheduler, "schedule", totals)
     timed(engine.scheduler, "after_step", totals)
+    last = watch_batches(engine.scheduler)
+    attention = AttentionClock(totals)
     if variant == "freeze":
         gc.collect()
         gc.freeze()
@@ -103,10 +141,13 @@ def one_run(variant: str, requests: int, seed: int, threads: int) -> dict:
     t0 = time.perf_counter()
     for p, m in zip(prompts, outs):
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    kinds: dict[str, float] = defaultdict(float)
     while engine.has_unfinished():
         s0 = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - s0)
+        kinds["prompt" if any(n > 1 for n in last["batch"].num_tokens) else "decode"] += steps[-1]
+    attention.undo()
     secs = time.perf_counter() - t0
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
     gc.callbacks.remove(clock)
@@ -114,7 +155,8 @@ def one_run(variant: str, requests: int, seed: int, threads: int) -> dict:
     steps.sort()
     return {
         "variant": variant, "dtype": dtype, "tok_s": sum(outs) / secs, "secs": secs, "steps": len(steps),
-        "parts": parts, "python": sum(steps) - sum(parts.values()),
+        "parts": parts, "python": sum(steps) - sum(parts.values()), "kinds": dict(kinds),
+        "attention": {k: totals[f"attention_{k}"] for k in ("prompt", "decode")},
         "step_ms": {"median": 1e3 * steps[len(steps) // 2], "p99": 1e3 * steps[int(len(steps) * 0.99)],
                     "max": 1e3 * steps[-1]},
         "gc": {"count": dict(clock.count), "seconds": sum(clock.seconds.values()), "longest_ms": 1e3 * clock.longest,
@@ -152,7 +194,8 @@ def main() -> None:
           f"max_num_seqs=64, budget 512; each run a fresh process; variants alternate\n")
     head = (f"{'run':>3} {'variant':8} {'tok/s':>6} {'steps':>5} {'sched':>6} {'kv':>5} {'model':>6} {'head':>5} "
             f"{'sample':>6} {'after':>5} {'python':>6} {'p50ms':>6} {'p99ms':>6} {'maxms':>6} {'gc s':>5} "
-            f"{'gc max':>6} {'recomp':>6} {'graphs':>6} {'minflt':>7} {'forced':>6}")
+            f"{'gc max':>6} {'recomp':>6} {'graphs':>6} {'minflt':>7} {'forced':>6} {'prompt':>6} {'decode':>6} "
+            f"{'attn p':>6} {'attn d':>6}")
     print(head)
     results: dict[str, list[dict]] = defaultdict(list)
     for r in range(args.runs):
@@ -169,8 +212,11 @@ def main() -> None:
                   f"{pt['run_model']:6.2f} {pt['compute_logits']:5.2f} {pt['sampler']:6.2f} {pt['after_step']:5.2f} "
                   f"{x['python']:6.2f} {x['step_ms']['median']:6.1f} {x['step_ms']['p99']:6.1f} "
                   f"{x['step_ms']['max']:6.1f} {x['gc']['seconds']:5.2f} {x['gc']['longest_ms']:6.1f} "
-                  f"{x['recompiles']:6d} {x['new_graphs']:6d} {x['minor_faults']:7d} {x['forced_switches']:6d}", flush=True)
-    print("\n(seconds per run for each part of the step; gc: all pauses, and the longest in ms)")
+                  f"{x['recompiles']:6d} {x['new_graphs']:6d} {x['minor_faults']:7d} {x['forced_switches']:6d} "
+                  f"{x['kinds'].get('prompt', 0):6.1f} {x['kinds'].get('decode', 0):6.1f} "
+                  f"{x['attention']['prompt']:6.1f} {x['attention']['decode']:6.1f}", flush=True)
+    print("\n(seconds per run for each part of the step; gc: all pauses, and the longest in ms; prompt / decode: "
+          "seconds in steps with prompt rows / in decode-only steps; attn p / attn d: of those, in lesson 15's kernel)")
     for variant, xs in results.items():
         print(f"{variant:8}: output tok/s {spread([x['tok_s'] for x in xs])}; dtype {xs[0]['dtype']}")
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -7,6 +7,7 @@ cores, 4 GiB of KV cache, 512 tokens a step, chunked prefill and prefix caching 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -42,7 +43,8 @@ def vllm_server(model: Path, max_num_seqs: int, log_path: Path, startup_s: float
            "--max-num-batched-tokens", "512", "--enable-chunked-prefill", "--enable-prefix-caching",
            "--max-model-len", "4096"]
     log = open(log_path, "w")
-    proc = popen_tied(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)   # ends with us
+    # Ends with us; its own session, so that what it starts (engine core, worker) goes with it.
+    proc = popen_tied(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + startup_s
@@ -66,4 +68,8 @@ def vllm_server(model: Path, max_num_seqs: int, log_path: Path, startup_s: float
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)      # anything of the session still running
+        except ProcessLookupError:
+            pass
         log.close()

