@@ -296,11 +296,12 @@ def test_bf16_smollm2_through_the_fast_paths_says_what_eager_says(smol_dir, smol
     """The embedded SmolLM2 in bf16 (head_dim 64, 3 query heads a KV head): fused projections,
     elementwise.cpp and the AMX prompt kernel where this CPU has them, prompts split in chunks.
     bf16 paths round differently, so only text the model is sure of is compared with lesson 14's
-    eager bf16 engine."""
+    eager bf16 engine: three tokens (the fourth of the count is a near tie that lessons 14 and 15
+    already pick differently on rounding alone)."""
     from step16_cuda_graph.cpu import ops
     prompts = [smol_tokenizer.encode(t) for t in ("The capital of France is",
                                                   "One, two, three, four, five, six, seven, eight,")]
-    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     def config(model):
         return PagedSchedulerConfig(kv_cache_bytes=64 * KVPool.bytes_per_block(model.config, 16, torch.bfloat16),
