@@ -10,8 +10,8 @@ Each round starts one process per engine, one after the other: ours (steady.py's
 serving the same 64 requests (Qwen3-0.6B shape, prompts 64-512, outputs 64-256, greedy,
 ignore_eos; max_num_seqs=64, 512 tokens a step) once, start-up not timed. This machine's
 speed drifts over minutes, so only runs side by side are compared: the summary gives each
-side's median and spread, the ratio of the medians and the ratio within each round. `--floor` prints the workload's
-arithmetic floor instead: what this machine's matmuls need for it at best.
+side's median and spread, the ratio of the medians and the ratio within each round.
+`--floor` prints the workload's arithmetic floor instead: what its matmuls need at best here.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from step17_tensor_parallel.lifeline import popen_tied
+from step18_benchmark.steady import spread
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -66,15 +67,16 @@ def ours(requests: int, seed: int) -> tuple[float, str]:
 
 def vllm(requests: int, seed: int, dtype: str) -> dict:
     return run([str(VLLM_PYTHON), str(ROOT / "step18_benchmark" / "vllm_bench.py"), "--what", "workload",
-             "--requests", str(requests), "--seed", str(seed), "--dtype", dtype, "--json"], f"vLLM-CPU ({dtype})")
+                "--requests", str(requests), "--seed", str(seed), "--dtype", dtype, "--json"], f"vLLM-CPU ({dtype})")
 
 
 def arithmetic_floor(requests: int, seed: int) -> tuple[float, int, str]:
     """Seconds the workload's matmuls need at least on this machine: the FLOPs of every linear
     for every token (prompt and output), the LM head for every output token, and attention's
     two products over each token's context, at the rate of a packed linear of 512 rows in the
-    dtype our engine runs here (oneDNN, the best this machine's matmuls reach). Both engines do this arithmetic; what a
-    run takes beyond it is memory traffic (weights, K/V), element-wise work and overhead."""
+    dtype our engine runs here (oneDNN, the best this machine's matmuls reach; the best of three
+    timings, as the machine's speed drifts). Both engines do this arithmetic; what a run takes
+    beyond it is memory traffic (weights, K/V), element-wise work and overhead."""
     import time
     import torch
     from minivllm_support.cli import DTYPES, resolve_dtype_name
@@ -93,20 +95,18 @@ def arithmetic_floor(requests: int, seed: int) -> tuple[float, int, str]:
         return 0.0, sum(outs), f"no {dtype} packed linear on this CPU: no floor printed"
     lin = PackedLinear(torch.nn.Linear(h, i, bias=False).to(dtype))
     x = torch.randn(512, h).to(dtype)
+    best = float("inf")
     with torch.inference_mode():
         lin(x)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            lin(x)
-    rate = 20 * 2 * 512 * h * i / (time.perf_counter() - t0)
-    return flops / rate, sum(outs), (f"{flops / 1e12:.1f} TFLOP ({tokens} tokens through the linears, {sum(outs)} through the "
-                          f"LM head, attention over each context) at {rate / 1e9:.0f} GFLOP/s (a packed linear, "
-                          f"512 rows, {str(dtype).removeprefix('torch.')})")
-
-
-def spread(xs: list[float]) -> str:
-    med = statistics.median(xs)
-    return f"median {med:6.1f}, {min(xs):.1f}-{max(xs):.1f} ({100 * (max(xs) - min(xs)) / med:.0f}% of the median)"
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                lin(x)
+            best = min(best, (time.perf_counter() - t0) / 10)
+    rate = 2 * 512 * h * i / best
+    return flops / rate, sum(outs), (f"{flops / 1e12:.1f} TFLOP ({tokens} tokens through the linears, {sum(outs)} "
+                                     f"through the LM head, attention over each context) at {rate / 1e9:.0f} GFLOP/s "
+                                     f"(a packed linear, 512 rows, {str(dtype).removeprefix('torch.')})")
 
 
 def main() -> None:
