@@ -42,10 +42,13 @@ def cpu_fast_path(model: nn.Module, small_rows: bool = True) -> nn.Module:
 def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, attention_backend: str = "auto",
                  use_graph: bool = True, record_now: bool = True, max_bucket: int | None = None,
                  compile_mixed: bool = True, direct_calls: bool = True, sampler: Sampler | None = None,
-                 engine_class: type[Engine] = Engine, small_rows: bool = True, **parts) -> Engine:
+                 engine_class: type[Engine] = Engine, small_rows: bool = True, one_call: bool = True,
+                 **parts) -> Engine:
     """direct_calls=False: every compiled call goes through Dynamo; compile_mixed=False: prompt
     steps run eagerly; use_graph=False: lesson 15's engine with this lesson's model and sampler;
-    small_rows=False: no plain weight copies, every linear through oneDNN (cpu_fast_path).
+    small_rows=False: no plain weight copies, every linear through oneDNN (cpu_fast_path);
+    one_call=False: decode steps of one to four rows compiled like the others, not one C call
+    each (decode_step.py).
     engine_class, parts: as lesson 15's build_engine."""
     config = config or PagedSchedulerConfig()
     device = model.model.embed_tokens.weight.device
@@ -62,7 +65,7 @@ def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, a
     pool = create_kv_pool(model, config, attention, extra_blocks=1)
     scheduler = create_scheduler(config, pool.num_blocks - 1, *scheduler_parts(parts))
     runner = CpuGraphRunner(model, pool, attention, max_bucket or config.max_num_seqs, pool.num_blocks - 1,
-                            direct_calls, compile_mixed, small_rows)
+                            direct_calls, compile_mixed, small_rows, one_call)
     if record_now:
         runner.record_seconds = runner.warm_up()
     return engine_class(model, scheduler, pool, attention, runner, sampler, **parts)

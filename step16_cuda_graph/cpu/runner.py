@@ -28,6 +28,7 @@ from step09_continuous_batching.scheduler import ScheduledBatch
 from step14_batched_forward.packed_linear import PackedLinear, can_pack
 from step15_flash_attention.backends import AttentionBackend
 from step16_cuda_graph.runner import GraphRunner
+from step16_cuda_graph.cpu import decode_step
 from step16_cuda_graph.cpu.mixed import MixedStepRunner
 from step16_cuda_graph.cpu.ops import gemv, gemv_max_rows
 
@@ -117,17 +118,22 @@ class CpuGraphRunner(GraphRunner):
     bucket_step = 8
 
     def __init__(self, model, pool, attention: AttentionBackend, max_batch: int, scratch_block: int,
-                 direct_calls: bool = True, compile_mixed: bool = True, small_rows: bool = True):
+                 direct_calls: bool = True, compile_mixed: bool = True, small_rows: bool = True,
+                 one_call: bool = True):
         """direct_calls=False: every call of a compiled body goes through Dynamo (for comparison).
         compile_mixed=False: prompt steps run eagerly, as in lesson 16. small_rows: logits of
         up to gemv_max_rows() rows by gemv_bf16 on the head's plain weight (the embedding when
-        tied: no copy), as ops.OpPackedLinear does for the layers' linears."""
+        tied: no copy), as ops.OpPackedLinear does for the layers' linears. one_call: buckets of
+        up to gemv_max_rows() rows run every layer in one C call (decode_step.py) where the
+        model fits it; False: they are compiled like the others."""
         super().__init__(model, pool, attention, max_batch, scratch_block)
         self.mode = "compile"
         self.layer_attention = {b: [OpAttention(self, i, b) for i in range(model.config.num_layers)]
                                 for b in self.buckets}
         self.direct: dict[int, DirectCall] = {}     # bucket -> its compiled body, called without Dynamo
         self.direct_calls = direct_calls
+        self.one_call = one_call and small_rows and decode_step.fits(model)
+        self.one_call_steps: dict[int, decode_step.DecodeStep] = {}    # bucket -> its plan, for b <= 4
         self.compiler = KeepWhatInductorBuilt()
         body = types.FunctionType(_layer_body.__code__.replace(), _layer_body.__globals__, "layer_body")
         self.layer_body = torch.compile(body, dynamic=False, fullgraph=True, backend=self.compiler,
@@ -164,6 +170,9 @@ class CpuGraphRunner(GraphRunner):
         return self._logits[:n].copy_(logits)
 
     def decode(self, b: int) -> Tensor:
+        step = self.one_call_steps.get(b)
+        if step is not None:
+            return self.model.model.norm(step(*self.step_inputs(b)))
         direct = self.direct.get(b)
         if direct is None:
             return super().decode(b)
@@ -177,6 +186,12 @@ class CpuGraphRunner(GraphRunner):
         """Compile bucket b (the first call goes through Dynamo), then keep what inductor built
         and call it directly from now on: a bucket's shapes never change."""
         self.pad_step(b)
+        if self.one_call and b <= gemv_max_rows():      # nothing to compile: a plan of pointers
+            self.one_call_steps[b] = decode_step.DecodeStep(self.model, self.layer_attention[b], b,
+                                                            self.pool.block_size)
+            self.decode(b)
+            self.ready.add(b)
+            return
         x, cos, sin = self.step_inputs(b)
         self.compiler.built = None
         self.layer_body(self.model.model.layers[0], x, cos, sin, self.layer_attention[b][0])

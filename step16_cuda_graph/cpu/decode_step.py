@@ -1,0 +1,138 @@
+"""A decode step of one to four sequences as one C call: the CPU's closest thing to a CUDA graph.
+
+A CUDA graph records a step's kernel launches once and replays them with one call. On the CPU
+the compiled path (runner.py) already skips Dynamo, but each of a layer's seven ops still goes
+through PyTorch's dispatcher, into Python, into ctypes, and inductor checks every input's size
+and stride: a few microseconds a call, ~200 calls a step. At batch 1 the weights of the embedded
+model stream in about 10 ms, and those calls add a third to it.
+
+So for the small buckets (1, 2, 4 rows: one conversation, a few) the runner records a plan
+instead of compiling the layer body:
+
+    Python, once per bucket                     C, every step (decode_step.cpp)
+    ------------------------------------       -------------------------------------------
+    DecodePlan: shapes, eps, scale              for each layer:
+      weights[l]: 10 pointers per layer           rms_norm -> gemv qkv -> qk_norm_rope
+      (norms, plain bf16 weights, K/V pool)       -> write_kv -> attention (lesson 15)
+      step buffers: rows, cu, lens, tables        -> gemv o + x -> rms_norm -> gemv gate|up
+      scratch rows (q, k, qkv, ...)               -> silu_mul -> gemv down + x
+    step(x, cos, sin) -> one ctypes call
+
+The pointers stay valid as long as the runner lives: the plan keeps the tensors it points to
+(weights, pool, static buffers, scratch). The same kernels as the compiled path run, with bf16
+rounding at the same points, so tokens match it (tests: `test_step16_decode_step.py`).
+Only bf16 models of lesson 04's layers, fast path applied (fused projections with plain weight
+copies, C element-wise passes), on a CPU with AVX-512 BF16; anything else keeps the compiled path.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from step04_transformer.layers import RMSNorm
+from step04_transformer.model import DecoderLayer
+from step14_batched_forward import kernel as lesson14_kernel
+from step15_flash_attention import flash_cpu
+from step16_cuda_graph.cpu.fused import FusedQKVAttention, FusedSwiGLU
+from step16_cuda_graph.cpu.ops import LESSON14_DIR, OpPackedLinear, gemv_max_rows
+
+SOURCE = Path(__file__).with_name("decode_step.cpp")
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("norm1", "qkv", "q_norm", "k_norm", "o", "norm2", "gate_up", "down",
+                                          "k_cache", "v_cache")]
+
+
+class DecodePlan(ctypes.Structure):
+    """decode_step.cpp's DecodePlan, field for field."""
+    _fields_ = ([(n, _i64) for n in ("layers", "M", "hidden", "nh", "nkv", "D", "inter")]
+                + [(n, ctypes.c_float) for n in ("eps", "qk_eps", "scale")]
+                + [("attention", _ptr)]
+                + [(n, _i64) for n in ("max_blocks", "block_size", "q_tile")]
+                + [(n, _ptr) for n in ("rows", "cu", "lens", "tables", "weights",
+                                       "normed", "qkv", "q", "k", "att", "proj", "gate_up", "act")])
+
+
+@lru_cache(maxsize=None)
+def load() -> ctypes.CDLL | None:
+    """The library (elementwise.cpp's kernels and the layer loop), or None where this CPU's build
+    has no layer loop (no AVX-512 BF16), no compiler, or MINIVLLM_KERNEL=0."""
+    lib = lesson14_kernel.build_or_warn(SOURCE, "the one-call decode step is unavailable, the compiled path runs",
+                                        (LESSON14_DIR, SOURCE.parent))
+    if lib is None or not lesson14_kernel.bind(lib, "decode_step_available", [], _i64):
+        return None
+    lesson14_kernel.bind(lib, "decode_layers_bf16", [ctypes.POINTER(DecodePlan), _ptr, _ptr, _ptr])
+    return lib
+
+
+def plain(linear: nn.Module) -> Tensor | None:
+    """The plain [out, in] bf16 weight an OpPackedLinear keeps for small steps, or None."""
+    return linear.dense if type(linear) is OpPackedLinear and linear.dense is not None else None
+
+
+def fits(model: nn.Module) -> bool:
+    """Whether every layer is one the C loop computes: lesson 04's layer with the fast path's
+    fused projections, plain bf16 weights and C element-wise passes, and a kernel to run it."""
+    cfg = model.config
+    if load() is None or flash_cpu.load() is None or gemv_max_rows() < 1 or cfg.hidden_size % 32:
+        return False
+    if cfg.num_heads // cfg.num_kv_heads > flash_cpu.load().flash_max_rows():
+        return False
+    for layer in model.model.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not (type(layer) is DecoderLayer and type(attn) is FusedQKVAttention and attn.kernels
+                and type(mlp) is FusedSwiGLU and mlp.kernels
+                and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm):
+            return False
+        if any(plain(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return False
+    return True
+
+
+class DecodeStep:
+    """Bucket b's decode step (b <= gemv_max_rows()) as one call of decode_layers_bf16.
+
+    `attention`: the bucket's per-layer attention objects (runner.OpAttention), whose K/V pools
+    and step buffers (rows, cu, lens, tables) the plan points at."""
+
+    def __init__(self, model: nn.Module, attention: list, b: int, block_size: int):
+        cfg, layers = model.config, model.model.layers
+        nh, nkv, D, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        bf16 = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)
+        self.scratch = {"normed": bf16(b, cfg.hidden_size), "qkv": bf16(b, (nh + 2 * nkv) * D), "q": bf16(b, nh, D),
+                        "k": bf16(b, nkv, D), "att": bf16(b, nh, D), "proj": bf16(b, cfg.hidden_size),
+                        "gate_up": bf16(b, 2 * inter), "act": bf16(b, inter)}
+        self.keep = []                                    # every tensor the plan points into
+        ptr = lambda t: None if t is None else self.keep.append(t) or t.data_ptr()
+        norms = lambda attn: (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        self.weights = (LayerWeights * len(layers))(*[
+            LayerWeights(ptr(l.input_layernorm.weight), ptr(plain(l.self_attn.qkv_proj)),
+                         *map(ptr, norms(l.self_attn)), ptr(plain(l.self_attn.o_proj)),
+                         ptr(l.post_attention_layernorm.weight), ptr(plain(l.mlp.gate_up_proj)),
+                         ptr(plain(l.mlp.down_proj)), ptr(a.k_cache), ptr(a.v_cache))
+            for l, a in zip(layers, attention)])
+        a0, lib15 = attention[0], flash_cpu.load()
+        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (a0.rows, a0.cu, a0.lens, a0.tables)):
+            raise ValueError("the step buffers must be contiguous int64 (GraphRunner.static)")
+        qk_eps = layers[0].self_attn.q_norm.eps if layers[0].self_attn.q_norm is not None else 0.0
+        self.plan = DecodePlan(
+            layers=len(layers), M=b, hidden=cfg.hidden_size, nh=nh, nkv=nkv, D=D, inter=inter,
+            eps=layers[0].input_layernorm.eps, qk_eps=qk_eps, scale=D ** -0.5,
+            attention=ctypes.cast(lib15.flash_attention_bf16, _ptr).value,
+            max_blocks=a0.tables.shape[1], block_size=block_size, q_tile=max(1, lib15.flash_max_rows() // (nh // nkv)),
+            rows=ptr(a0.rows), cu=ptr(a0.cu), lens=ptr(a0.lens), tables=ptr(a0.tables),
+            weights=ctypes.addressof(self.weights), **{k: ptr(t) for k, t in self.scratch.items()})
+        self._call = load().decode_layers_bf16
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [b, hidden] bf16 (the embedded tokens; overwritten), cos/sin [b, 1, D] float32 ->
+        the last layer's output, in x (the final norm is the caller's)."""
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        self._call(ctypes.byref(self.plan), x.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        return x
