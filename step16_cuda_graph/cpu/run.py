@@ -9,7 +9,9 @@ on the same prompts.
 2. eight chat requests through lesson 16 and lesson 16 + fast path: same answers, wall time (in bf16 the
    two round their element-wise chains differently, so the same requests run again in
    float32, where the tests hold lesson 16 + fast path to the tokens of the earlier lessons);
-3. decode throughput at batch 1 and 8 (context ~360 tokens), the two engines taking turns.
+3. decode throughput at batch 1 and 8 (context ~360 tokens), the two engines taking turns; at batch 1
+   also the fast path with its one-call decode step turned off (`one_call=False`: the layers of
+   the small buckets compiled like the others), to show what that one C call buys.
 Where this machine cannot compile the step (no C++ compiler), the fast path's build_engine returns
 lesson 16's engine, and the script says so.
 """
@@ -36,9 +38,9 @@ from step16_cuda_graph.cpu.ops import OpPackedLinear
 from step16_cuda_graph.cpu.runner import CpuGraphRunner
 
 
-def build(name: str, build_engine, model):
+def build(name: str, build_engine, model, **options):
     t0 = time.perf_counter()
-    engine = build_engine(model, config())
+    engine = build_engine(model, config(), **options)
     secs = time.perf_counter() - t0
     runner = engine.runner
     print(f"{name}: built in {secs:4.1f} s (recording {len(runner.buckets)} buckets"
@@ -63,6 +65,9 @@ def describe(engine, model) -> bool:
              else "torch's ops, fused by the compiler (elementwise.cpp is for bf16)")
     print(f"  element-wise chains after the fused projections: {where}")
     head = "a packed copy of the embedding" if runner.lm_head is not None else "the model's own"
+    one_call = sorted(runner.one_call_steps)
+    print(f"  decode steps of one to four rows, every layer in one C call (decode_step.cpp): buckets {one_call or 'none'}"
+          + ("" if one_call else " (it takes bf16 models on a CPU with AVX-512 BF16)"))
     print(f"  buckets called without Dynamo: {sorted(runner.direct)}; prompt steps: "
           f"{'one compiled body, token count dynamic' if runner.mixed else 'eager'}; LM head: {head}; "
           f"greedy pick: {type(engine.sampler).__name__} (one C pass over the logits)")
@@ -93,15 +98,20 @@ def float32_answers(folder, tok) -> None:
                                         len(a), torch.float32) + f" ({time.perf_counter() - t0:.1f} s)")
 
 
-def decode_throughput(engines: dict, batches=(1, 8), context: int = 360, steps: int = 16, rounds: int = 3) -> None:
+def decode_throughput(engines: dict, batch1_extra: dict, batches=(1, 8), context: int = 360, steps: int = 16,
+                      rounds: int = 3) -> None:
+    """batch1_extra: engines that take their turns at batch 1 only."""
     print(f"\ndecode throughput, context ~{context} tokens (the engines take turns, {steps} steps a turn, "
           f"best of {rounds}):")
     for b in batches:
-        best = step_turns(engines, b, context, steps, rounds, drain=True)   # drained: the next batch starts empty
+        turns = {**engines, **batch1_extra} if b == 1 else engines
+        best = step_turns(turns, b, context, steps, rounds, drain=True)   # drained: the next batch starts empty
         tok_s = {name: b * 1e3 / ms for name, ms in best.items()}
         print(f"  batch {b}: " + ", ".join(f"{name} {t:6.1f} tok/s ({best[name]:5.1f} ms a step)"
                                            for name, t in tok_s.items())
               + f"  -> lesson 16 + fast path / lesson 16 = {tok_s['lesson 16 + fast path'] / tok_s['lesson 16']:.2f}x")
+        for name in batch1_extra if b == 1 else ():
+            print(f"           lesson 16 + fast path / {name} = {tok_s['lesson 16 + fast path'] / tok_s[name]:.2f}x")
 
 
 def main() -> None:
@@ -109,12 +119,17 @@ def main() -> None:
     dtype, folder, model, tok = start_lesson(args)
     engines = {"lesson 16": build("lesson 16", lesson16.build_engine, model),
                "lesson 16 + fast path": build("lesson 16 + fast path", fast_path.build_engine, model)}
-    describe(engines["lesson 16 + fast path"], model)
+    fast = engines["lesson 16 + fast path"]
+    describe(fast, model)
+    extra = {}
+    if getattr(fast.runner, "one_call_steps", None):
+        name = "fast path, layers compiled"
+        extra[name] = build(name, fast_path.build_engine, model, one_call=False)
     print("\neight chat requests, greedy, up to 48 tokens:")
     chat(engines, tok, dtype)
     if dtype != torch.float32:
         float32_answers(folder, tok)
-    decode_throughput(engines)
+    decode_throughput(engines, extra)
 
 
 if __name__ == "__main__":
