@@ -127,7 +127,8 @@ class Ours:
         engine = build_engine(model, config, small_rows=small_rows)
         copies = sum(m.dense.numel() * m.dense.element_size() for m in engine.model.modules()
                      if getattr(m, "dense", None) is not None)
-        return cls(engine, f"lesson 16 + CPU fast path, steps of <= 4 rows through gemv_bf16 on plain weight "
+        one_call = "every layer in one C call, " if getattr(engine.runner, "one_call", False) else ""
+        return cls(engine, f"lesson 16 + CPU fast path, steps of <= 4 rows: {one_call}gemv_bf16 on plain weight "
                            f"copies ({copies / 1e6:.0f} MB)" if copies else
                            "lesson 16 + CPU fast path, every linear through oneDNN", floor)
 
