@@ -13,7 +13,9 @@
 //
 // One layer, rows x [M, H] (M <= 4), in place:
 //   a = rms_norm(x)            float32 sum of squares, x * rsqrt(mean + eps) to bf16, times w, to bf16
-//   qkv = a @ Wqkv^T           gemv_bf16
+//   qkv = a @ Wqkv^T           the plan's linear: gemv_bf16 on a plain bf16 weight (linear_bf16
+//                              below), or any function of the same signature on a weight format
+//                              of its own (advanced lesson 01 plugs in its Q4_1 blocks)
 //   q, k = qk_norm_rope(qkv)   elementwise.cpp
 //   pool[rows] = k, v          write_kv
 //   o = attention(q, pool)     lesson 15's flash_attention_bf16
@@ -28,8 +30,16 @@ typedef void (*AttentionFn)(const bf16* q, const bf16* k, const bf16* v, const i
                             const int64_t* tables, bf16* out, int64_t B, int64_t max_blocks, int64_t hkv,
                             int64_t group, int64_t bs, int64_t D, float scale, int64_t q_tile);
 
+// y [M, N] = x [M, K] @ W^T in bf16, W in the format `fn` reads, behind `w`
+typedef void (*LinearFn)(const void* w, const bf16* x, int64_t M, int64_t K, int64_t N, bf16* y);
+struct Linear {
+  const void* w;
+  LinearFn fn;
+};
+
 struct LayerWeights {        // one layer's tensors; q_norm/k_norm null where the model has none
-  const bf16 *norm1, *qkv, *q_norm, *k_norm, *o, *norm2, *gate_up, *down;
+  const bf16 *norm1, *q_norm, *k_norm, *norm2;
+  Linear qkv, o, gate_up, down;
   bf16 *k_cache, *v_cache;
 };
 
@@ -67,6 +77,11 @@ void add_rows(bf16* x, const bf16* d, int64_t n) {     // x = x + d, rounded to 
 
 extern "C" int64_t decode_step_available() { return 1; }
 
+// The plan's linear for a plain bf16 weight [N, K] (lesson 16's OpPackedLinear.dense).
+extern "C" void linear_bf16(const void* w, const bf16* x, int64_t M, int64_t K, int64_t N, bf16* y) {
+  gemv_bf16(x, M, K, static_cast<const bf16*>(w), N, y);
+}
+
 // x [M, hidden]: the step's embedded tokens in, the last layer's output out (before the final
 // norm). cos, sin [M, D] float32: the rotary tables at the step's positions.
 extern "C" void decode_layers_bf16(const DecodePlan* p, bf16* x, const float* cos, const float* sin) {
@@ -75,7 +90,7 @@ extern "C" void decode_layers_bf16(const DecodePlan* p, bf16* x, const float* co
   for (int64_t l = 0; l < p->layers; ++l) {
     const LayerWeights& w = p->weights[l];
     rms_norm_rows(x, w.norm1, p->normed, M, H, p->eps);
-    gemv_bf16(p->normed, M, H, w.qkv, qkv_row, p->qkv);
+    w.qkv.fn(w.qkv.w, p->normed, M, H, qkv_row, p->qkv);
     qk_norm_rope_bf16(p->qkv, M, qkv_row, p->nh, p->nkv, D, w.q_norm, w.k_norm, cos, sin, p->qk_eps, p->q, p->k);
     write_kv(reinterpret_cast<const char*>(p->k), reinterpret_cast<const char*>(p->qkv + v_col), kv_row,
              D * sizeof(bf16), qkv_row * sizeof(bf16), D * sizeof(bf16), p->nkv,
@@ -83,12 +98,12 @@ extern "C" void decode_layers_bf16(const DecodePlan* p, bf16* x, const float* co
              D * sizeof(bf16));
     p->attention(p->q, w.k_cache, w.v_cache, p->cu, p->lens, p->tables, p->att, M, p->max_blocks, p->nkv,
                  p->nh / p->nkv, p->block_size, D, p->scale, p->q_tile);
-    gemv_bf16(p->att, M, p->nh * D, w.o, H, p->proj);
+    w.o.fn(w.o.w, p->att, M, p->nh * D, H, p->proj);
     add_rows(x, p->proj, M * H);
     rms_norm_rows(x, w.norm2, p->normed, M, H, p->eps);
-    gemv_bf16(p->normed, M, H, w.gate_up, 2 * p->inter, p->gate_up);
+    w.gate_up.fn(w.gate_up.w, p->normed, M, H, 2 * p->inter, p->gate_up);
     silu_mul_bf16(p->gate_up, M, p->inter, p->act);
-    gemv_bf16(p->act, M, p->inter, w.down, H, p->proj);
+    w.down.fn(w.down.w, p->act, M, p->inter, H, p->proj);
     add_rows(x, p->proj, M * H);
   }
 }

@@ -21,12 +21,18 @@ instead of compiling the layer body:
 The pointers stay valid as long as the runner lives: the plan keeps the tensors it points to
 (weights, pool, static buffers, scratch). The same kernels as the compiled path run, with bf16
 rounding at the same points, so tokens match it (tests: `test_step16_decode_step.py`).
-Only bf16 models of lesson 04's layers, fast path applied (fused projections with plain weight
-copies, C element-wise passes), on a CPU with AVX-512 BF16; anything else keeps the compiled path.
+Only bf16 models of lesson 04's layers, fast path applied (fused projections, C element-wise
+passes), on a CPU with AVX-512 BF16; anything else keeps the compiled path.
+
+Each linear of the plan is a (weight pointer, C function) pair, so the loop does not care how a
+weight is stored. `LINEAR_FORMATS` says, per module class, how to get that pair: this lesson
+registers its OpPackedLinear (the plain bf16 copy, `linear_bf16`); a later lesson registers its
+own (advanced 01: Q4_1 blocks and their kernel) with `register_linear_format`.
 """
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -44,9 +50,14 @@ SOURCE = Path(__file__).with_name("decode_step.cpp")
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class Linear(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("fn", _ptr)]
+
+
 class LayerWeights(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in ("norm1", "qkv", "q_norm", "k_norm", "o", "norm2", "gate_up", "down",
-                                          "k_cache", "v_cache")]
+    _fields_ = ([(name, _ptr) for name in ("norm1", "q_norm", "k_norm", "norm2")]
+                + [(name, Linear) for name in ("qkv", "o", "gate_up", "down")]
+                + [(name, _ptr) for name in ("k_cache", "v_cache")])
 
 
 class DecodePlan(ctypes.Structure):
@@ -71,16 +82,37 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def plain(linear: nn.Module) -> Tensor | None:
-    """The plain [out, in] bf16 weight an OpPackedLinear keeps for small steps, or None."""
-    return linear.dense if type(linear) is OpPackedLinear and linear.dense is not None else None
+# module class -> f(module) = (weight address, C function address, tensors the address points
+# into), or None where this module cannot be run by the loop (e.g. no plain copy kept)
+LinearEntry = tuple[int, int, list[Tensor]]
+LINEAR_FORMATS: dict[type, Callable[[nn.Module], LinearEntry | None]] = {}
+
+
+def register_linear_format(cls: type, entry: Callable[[nn.Module], LinearEntry | None]) -> None:
+    LINEAR_FORMATS[cls] = entry
+
+
+def linear_entry(module: nn.Module) -> LinearEntry | None:
+    entry = LINEAR_FORMATS.get(type(module))
+    return None if entry is None else entry(module)
+
+
+def _plain_bf16(linear: OpPackedLinear) -> LinearEntry | None:
+    """The plain [out, in] bf16 copy an OpPackedLinear keeps for small steps, through linear_bf16."""
+    if linear.dense is None or load() is None:
+        return None
+    return linear.dense.data_ptr(), ctypes.cast(load().linear_bf16, _ptr).value, [linear.dense]
+
+
+register_linear_format(OpPackedLinear, _plain_bf16)
 
 
 def fits(model: nn.Module) -> bool:
     """Whether every layer is one the C loop computes: lesson 04's layer with the fast path's
-    fused projections, plain bf16 weights and C element-wise passes, and a kernel to run it."""
+    fused projections, linears of a registered format and C element-wise passes, and a kernel."""
     cfg = model.config
-    if load() is None or flash_cpu.load() is None or gemv_max_rows() < 1 or cfg.hidden_size % 32:
+    if load() is None or flash_cpu.load() is None or gemv_max_rows() < 1 or cfg.hidden_size % 32 \
+            or model.model.embed_tokens.weight.dtype != torch.bfloat16:
         return False
     if cfg.num_heads // cfg.num_kv_heads > flash_cpu.load().flash_max_rows():
         return False
@@ -90,7 +122,7 @@ def fits(model: nn.Module) -> bool:
                 and type(mlp) is FusedSwiGLU and mlp.kernels
                 and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm):
             return False
-        if any(plain(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        if any(linear_entry(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return False
     return True
 
@@ -111,11 +143,16 @@ class DecodeStep:
         self.keep = []                                    # every tensor the plan points into
         ptr = lambda t: None if t is None else self.keep.append(t) or t.data_ptr()
         norms = lambda attn: (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+
+        def linear(module: nn.Module) -> Linear:
+            w, fn, tensors = linear_entry(module)
+            self.keep += tensors
+            return Linear(w, fn)
         self.weights = (LayerWeights * len(layers))(*[
-            LayerWeights(ptr(l.input_layernorm.weight), ptr(plain(l.self_attn.qkv_proj)),
-                         *map(ptr, norms(l.self_attn)), ptr(plain(l.self_attn.o_proj)),
-                         ptr(l.post_attention_layernorm.weight), ptr(plain(l.mlp.gate_up_proj)),
-                         ptr(plain(l.mlp.down_proj)), ptr(a.k_cache), ptr(a.v_cache))
+            LayerWeights(ptr(l.input_layernorm.weight), *map(ptr, norms(l.self_attn)),
+                         ptr(l.post_attention_layernorm.weight),
+                         *map(linear, (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)),
+                         ptr(a.k_cache), ptr(a.v_cache))
             for l, a in zip(layers, attention)])
         a0, lib15 = attention[0], flash_cpu.load()
         if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (a0.rows, a0.cu, a0.lens, a0.tables)):

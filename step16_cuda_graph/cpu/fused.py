@@ -43,10 +43,12 @@ def stacked(parts: list[PackedLinear]) -> PackedLinear:
 class FusedQKVAttention(SelfAttention):
     """Lesson 04's attention with q, k and v from one matmul."""
 
-    def __init__(self, attn: SelfAttention, kernels: bool = False):
+    def __init__(self, attn: SelfAttention, kernels: bool = False, qkv_proj: nn.Module | None = None):
+        """qkv_proj: the fused projection made elsewhere (advanced 01 stacks quantized blocks);
+        by default lesson 14's packed q, k and v, stacked."""
         nn.Module.__init__(self)
         self.layer_idx, self.nh, self.nkv, self.hd = attn.layer_idx, attn.nh, attn.nkv, attn.hd
-        self.qkv_proj = stacked([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_proj = qkv_proj if qkv_proj is not None else stacked([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o_proj, self.q_norm, self.k_norm = attn.o_proj, attn.q_norm, attn.k_norm
         self.kernels = kernels           # q/k norm + RoPE as one C pass (ops.qk_norm_rope)
 
@@ -71,9 +73,9 @@ class FusedQKVAttention(SelfAttention):
 class FusedSwiGLU(SwiGLU):
     """Lesson 04's MLP with gate and up from one matmul."""
 
-    def __init__(self, mlp: SwiGLU, kernels: bool = False):
+    def __init__(self, mlp: SwiGLU, kernels: bool = False, gate_up_proj: nn.Module | None = None):
         nn.Module.__init__(self)
-        self.gate_up_proj = stacked([mlp.gate_proj, mlp.up_proj])
+        self.gate_up_proj = gate_up_proj if gate_up_proj is not None else stacked([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
         self.kernels = kernels           # silu(gate) * up as one C pass (ops.silu_mul)
 

@@ -1,0 +1,83 @@
+"""Advanced 01: the file's Q4_1 blocks on our own kernel (q4_1_kernel.py, q4_1_gemv.cpp). The
+repacked nibbles give back the file's values bit for bit; the kernel is the float32 product with
+them to one bf16 rounding, for one to four rows and more; the model transform stacks q|k|v and
+gate|up; in lesson 16's fast path the small buckets run as one C call through the Q4_1 format,
+with the tokens of the same model's compiled layers (slow marker: two engines on SmolLM2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from advanced.adv01_quantization import q4_1_kernel
+from advanced.adv01_quantization.gguf_q4_1 import embedded_gguf, read_q4_1
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.kv_pool import KVPool
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step16_cuda_graph.cpu import decode_step
+from step16_cuda_graph.cpu.fused import FusedQKVAttention, FusedSwiGLU
+from step16_cuda_graph.cpu.runner import CpuGraphRunner
+
+pytestmark = pytest.mark.skipif(q4_1_kernel.load() is None, reason="no C++ compiler for q4_1_gemv.cpp")
+
+
+@pytest.fixture(scope="module")
+def blocks(smol_dir):
+    return read_q4_1(embedded_gguf(), 9, 3)[0]
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj"])
+def test_repacked_blocks_are_the_files_values(blocks, name):
+    linear = q4_1_kernel.Q41Linear([blocks[name]])
+    assert linear.qs.shape == (linear.out_features, linear.in_features // 32, 16) and linear.qs.dtype == torch.uint8
+    assert torch.equal(linear.dequantize(), blocks[name].dequantize())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_kernel_is_the_float32_product_to_one_rounding(blocks, rows):
+    """Stacked gate|up (3,072 x 576) and down (576 x 1,536): every output within half a bf16 step
+    of the float32 product with the file's values (plus float32 sum order)."""
+    g = torch.Generator().manual_seed(rows)
+    for parts in (["model.layers.4.mlp.gate_proj", "model.layers.4.mlp.up_proj"], ["model.layers.4.mlp.down_proj"]):
+        linear = q4_1_kernel.Q41Linear([blocks[p] for p in parts])
+        x = torch.randn(rows, linear.in_features, generator=g).bfloat16()
+        want = x.float() @ linear.dequantize().T
+        got = linear(x)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        half_step = want.abs() * 2.0 ** -8         # bf16 keeps 8 significant bits: a step is <= |v| 2^-7
+        assert ((got.float() - want).abs() <= half_step + 1e-4 * want.abs().max()).all()
+
+
+def test_the_transform_stacks_and_keeps_the_rest(smol_dir):
+    from step04_transformer.loader import load_model
+    model = load_model(smol_dir, torch.bfloat16)
+    fast = q4_1_kernel.q4_1_fast_model(model)
+    layers = fast.model.layers
+    assert all(type(l.self_attn) is FusedQKVAttention and type(l.mlp) is FusedSwiGLU for l in layers)
+    assert sum(type(m) is q4_1_kernel.Q41Linear for m in fast.modules()) == 4 * len(layers)
+    assert layers[0].self_attn.qkv_proj.out_features == (9 + 2 * 3) * 64
+    assert layers[0].mlp.gate_up_proj.out_features == 2 * 1536
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear       # the input is left as it was
+    with pytest.raises(ValueError, match="bf16"):
+        q4_1_kernel.q4_1_fast_model(load_model(smol_dir, torch.float32))
+
+
+@pytest.mark.slow
+def test_one_call_q4_1_engine_gives_the_compiled_layers_tokens():
+    if decode_step.load() is None:
+        pytest.skip("the one-call decode step is in the AVX-512 BF16 build only")
+    from step04_transformer.loader import load_model
+    from minivllm_support.models import embedded_smollm2
+    model = q4_1_kernel.q4_1_fast_model(load_model(embedded_smollm2(), torch.bfloat16))
+    config = PagedSchedulerConfig(kv_cache_bytes=64 * KVPool.bytes_per_block(model.config, 16, torch.bfloat16),
+                                  max_num_seqs=4, max_num_batched_tokens=32)
+    from step16_cuda_graph.cpu.engine import build_engine
+    one, compiled = (build_engine(model, config, one_call=flag) for flag in (True, False))
+    if type(one.runner) is not CpuGraphRunner:
+        pytest.skip("torch.compile does not work here")
+    assert sorted(one.runner.one_call_steps) == [1, 2, 4] and compiled.runner.one_call_steps == {}
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (7, 40, 3)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert [s.output_token_ids for s in one.generate(prompts, sp)] == \
+        [s.output_token_ids for s in compiled.generate(prompts, sp)]
+    assert sum(one.runner.replays[b] for b in (1, 2, 4)) > 0
