@@ -3,8 +3,8 @@
 // At one row a layer's arithmetic is a few hundred microseconds of reading weights; what the
 // compiled path adds around it is per-op cost: each layer calls seven ops through PyTorch's
 // dispatcher into Python and ctypes, and inductor's wrapper checks every input's size and
-// stride. Thirty layers a step, a few microseconds a call: milliseconds a step, at batch 1 a
-// third of it. A CUDA graph removes the same kind of cost on a GPU by recording the kernel
+// stride. Thirty layers a step, a few microseconds a call: milliseconds a step (lesson 16's
+// cpu/run.py measures the step both ways). A CUDA graph removes the same kind of cost on a GPU by recording the kernel
 // launches once. Here the "recording" is a plan: every pointer the step touches (each layer's
 // weights and K/V pool, the step's metadata buffers, scratch rows), gathered once per bucket in
 // Python (decode_step.py); the "replay" is this loop over it. The kernels are the ones the

@@ -3,8 +3,8 @@
 A CUDA graph records a step's kernel launches once and replays them with one call. On the CPU
 the compiled path (runner.py) already skips Dynamo, but each of a layer's seven ops still goes
 through PyTorch's dispatcher, into Python, into ctypes, and inductor checks every input's size
-and stride: a few microseconds a call, ~200 calls a step. At batch 1 the weights of the embedded
-model stream in about 10 ms, and those calls add a third to it.
+and stride: a few microseconds a call, ~200 calls a step, next to a few hundred microseconds
+of weights a layer at batch 1 (cpu/run.py measures the step both ways).
 
 So for the small buckets (1, 2, 4 rows: one conversation, a few) the runner records a plan
 instead of compiling the layer body:
