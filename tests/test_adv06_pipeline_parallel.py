@@ -225,6 +225,7 @@ def test_stage_that_is_killed_mid_run(tiny4, no_leftovers):
         assert "rank 1: process ended (killed by signal 9)" in str(error)
 
 
+@pytest.mark.slow
 def test_stage_that_hangs_hits_the_timeout(tiny4, monkeypatch, no_leftovers):
     monkeypatch.setenv(FAULT_ENV, "hang@2")
     with _tiny_engine(tiny4, timeout_s=2) as engine:

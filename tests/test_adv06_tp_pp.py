@@ -114,6 +114,7 @@ def test_tp_stage_loader_is_strict_about_its_own_stage(tmp_path):
             load_tp_stage(extra, Stage(1, 2, 2, 4), rank, 2)
 
 
+@pytest.mark.slow
 def test_tp2_pp2_over_two_nodes_keeps_each_tp_group_on_one_node(tiny4, one_process, capfd, no_leftovers):
     prompts, ref = one_process
     port = free_port()

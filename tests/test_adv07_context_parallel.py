@@ -178,6 +178,7 @@ def test_worker_that_raises(tiny_qwen3_dir, monkeypatch, no_leftovers):
         assert "rank 1" in str(error) and "injected fault" in str(error) and "Traceback" in str(error)
 
 
+@pytest.mark.slow
 def test_worker_that_hangs_hits_the_timeout(tiny_qwen3_dir, monkeypatch, no_leftovers):
     monkeypatch.setenv(FAULT_ENV, "hang@1")
     with CPEngine(tiny_qwen3_dir, CONFIG, context_parallel_size=2, dtype=torch.float32,
@@ -210,6 +211,7 @@ def test_gc_leaves_nothing_and_bad_sizes_are_refused(tiny_qwen3_dir, no_leftover
 
 
 # ---- two "machines" on loopback (lesson 17's NodeLaunch) ------------------------------------------
+@pytest.mark.slow
 def test_a_second_node_gives_the_same_tokens(tiny_qwen3_dir, no_leftovers):
     prompt, sp = _prompt(61, 512), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ref = build_engine(load_model(tiny_qwen3_dir, torch.float32), CONFIG, use_graph=False)

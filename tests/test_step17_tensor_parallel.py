@@ -35,6 +35,8 @@ from step17_tensor_parallel.worker import FAULT_ENV
 # elsewhere the engine's "auto" picks gloo, and these cases say why they do not run.
 SHM = pytest.param("shm", marks=pytest.mark.skipif(
     not shm_supported(), reason="shared-memory all-reduce needs x86-64 and /dev/shm; gloo runs instead"))
+# Where shm runs it is the default ("auto"), and the gloo cases wait for `make test-slow`.
+GLOO = pytest.param("gloo", marks=pytest.mark.slow if shm_supported() else ())
 
 
 def _shm() -> set[str]:
@@ -197,7 +199,7 @@ def _run_twice(engine: TPEngine, prompts, sp) -> list[list[int]]:
     return first
 
 
-@pytest.mark.parametrize("all_reduce", ["gloo", SHM])
+@pytest.mark.parametrize("all_reduce", [GLOO, SHM])
 def test_tp2_and_tp4_equal_tp1_on_tiny_qwen3(tiny_qwen3_dir, all_reduce, no_leftovers):
     cfg = ModelConfig.from_pretrained(tiny_qwen3_dir)
     prompts = _prompts(cfg.vocab_size, (3, 40, 17, 64, 9), shared=8)
@@ -260,7 +262,7 @@ def test_worker_that_raises(tiny_qwen3_dir, monkeypatch, no_leftovers):
         assert "rank 1" in str(error) and "injected fault" in str(error)
 
 
-@pytest.mark.parametrize("all_reduce", ["gloo", SHM])
+@pytest.mark.parametrize("all_reduce", [GLOO, SHM])
 def test_worker_that_is_killed_mid_run(tiny_qwen3_dir, all_reduce, no_leftovers):
     with _tiny_engine(tiny_qwen3_dir, all_reduce=all_reduce) as engine:
         for _ in range(3):
