@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"  // bf16_widen, bf16_narrow
 #include "isa.h"  // kernel_isa(): which path this build runs
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -31,24 +32,10 @@ constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxHeadDim = 256;
 
 inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) {  // bfloat16 is the top half of a float32
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float to_f32(uint16_t x) { return bf16_widen(x); }  // bf16.h
 
 inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {  // float32 -> bfloat16, round to nearest even (as torch does)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *p = uint16_t((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = uint16_t(u >> 16);
-}
+inline void store(uint16_t* p, float x) { *p = bf16_narrow(x); }  // nearest even, as torch
 
 // The two inner loops, portable: the compiler vectorises them for any dtype.
 template <typename T>

@@ -31,6 +31,7 @@
 #include <memory>
 #include <vector>
 
+#include "bf16.h"  // bf16_widen (lesson 14's folder, on the include path)
 #include "isa.h"  // kernel_isa() (lesson 14's folder, on the include path)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -61,8 +62,6 @@ void configure_tiles() {         // all 8 tiles: 16 rows x 64 bytes
   for (int i = 0; i < 8; ++i) { c.colsb[i] = 64; c.rows[i] = 16; }
   _tile_loadconfig(&c);
 }
-
-inline float bf16_to_f32(bf16 x) { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
 // 2^z for 16 lanes: 2^n * 2^r with n = round(z), |r| <= 1/2, 2^r by its Taylor series in
 // r ln 2 to degree 5 (relative error below 3e-6: P is rounded to bf16 anyway). The softmax works

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"  // bf16_widen, bf16_narrow (lesson 14)
 #include "isa.h"
 
 typedef uint16_t bf16;
@@ -37,20 +38,6 @@ struct Q41Matrix {          // mirrors Q41Matrix in q4_1_kernel.py
 };
 
 namespace {
-
-inline float widen(bf16 x) {
-  const uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline bf16 narrow(float x) {               // nearest even, NaN kept a (quiet) NaN
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16((u >> 16) | 0x40);
-  return bf16((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 #if defined(__AVX512F__)
 
@@ -78,7 +65,7 @@ void rows_q4_1(const Q41Matrix& w, const float* x, const float* xsum, int64_t K,
         msum[r] += m[b] * xsum[r * nb + b];
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = narrow(_mm512_reduce_add_ps(acc[r]) + msum[r]);
+    for (int r = 0; r < R; ++r) y[r * N + n] = bf16_narrow(_mm512_reduce_add_ps(acc[r]) + msum[r]);
   }
 }
 
@@ -101,7 +88,7 @@ void rows_q4_1(const Q41Matrix& w, const float* x, const float* xsum, int64_t K,
         total[r] += w.d[n * nb + b] * dot + w.m[n * nb + b] * xsum[r * nb + b];
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = narrow(total[r]);
+    for (int r = 0; r < R; ++r) y[r * N + n] = bf16_narrow(total[r]);
   }
 }
 
@@ -121,7 +108,7 @@ void q4_1_linear(const void* w, const bf16* x, int64_t M, int64_t K, int64_t N, 
     const int R = int(M - r0 < 4 ? M - r0 : 4);
     std::vector<float> xf(R * K), xsum(R * nb);
     for (int r = 0; r < R; ++r) {
-      for (int64_t k = 0; k < K; ++k) xf[r * K + k] = widen(x[(r0 + r) * K + k]);
+      for (int64_t k = 0; k < K; ++k) xf[r * K + k] = bf16_widen(x[(r0 + r) * K + k]);
       for (int64_t b = 0; b < nb; ++b) {
         float s = 0.f;
         for (int i = 0; i < 32; ++i) s += xf[r * K + b * 32 + i];

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"  // bf16_widen, bf16_narrow (lesson 14)
 #include "isa.h"
 
 typedef uint16_t bf16;   // raw bits
@@ -101,19 +102,7 @@ inline void silu_mul_row(const bf16* g, const bf16* u, bf16* out, int64_t I) {
 #else   // portable: any CPU, vectorised by the compiler
 namespace {
 
-inline float widen(bf16 x) {               // bf16 is the top half of a float32 (exact)
-  const uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline bf16 narrow(float x) {              // nearest even, NaN kept a (quiet) NaN
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16((u >> 16) | 0x40);
-  return bf16((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-inline float round_bf16(float x) { return widen(narrow(x)); }
+inline float round_bf16(float x) { return bf16_widen(bf16_narrow(x)); }
 
 // e^x as in the AVX-512 build (2^n e^r, degree-6 Taylor), clamped to [-80, 88] so that 2^n
 // can be made from exponent bits alone (e^-80 is 2e-35: silu's 1 + e^-x does not see it).
@@ -139,21 +128,21 @@ inline float exp_poly(float x) {
 inline void norm_rope_row(const bf16* src, bf16* dst, const bf16* w, const float* c, const float* s, int64_t D,
                           float eps) {
   float x[256];                              // D <= 256
-  for (int64_t j = 0; j < D; ++j) x[j] = widen(src[j]);
+  for (int64_t j = 0; j < D; ++j) x[j] = bf16_widen(src[j]);
   if (w != nullptr) {
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t j = 0; j < D; ++j) ss += x[j] * x[j];
     const float r = 1.0f / std::sqrt(ss / float(D) + eps);
 #pragma omp simd
-    for (int64_t j = 0; j < D; ++j) x[j] = round_bf16(widen(w[j]) * round_bf16(x[j] * r));
+    for (int64_t j = 0; j < D; ++j) x[j] = round_bf16(bf16_widen(w[j]) * round_bf16(x[j] * r));
   }
   const int64_t H = D / 2;
 #pragma omp simd
   for (int64_t j = 0; j < H; ++j) {
     const float lo = x[j], hi = x[j + H];
-    dst[j] = narrow(round_bf16(lo * c[j]) + round_bf16(-hi * s[j]));
-    dst[j + H] = narrow(round_bf16(hi * c[j + H]) + round_bf16(lo * s[j + H]));
+    dst[j] = bf16_narrow(round_bf16(lo * c[j]) + round_bf16(-hi * s[j]));
+    dst[j + H] = bf16_narrow(round_bf16(hi * c[j + H]) + round_bf16(lo * s[j + H]));
   }
 }
 
@@ -164,8 +153,8 @@ inline void rounded(const float* src, float* dst, int64_t D) {
 inline void silu_mul_row(const bf16* g, const bf16* u, bf16* out, int64_t I) {
 #pragma omp simd
   for (int64_t i = 0; i < I; ++i) {
-    const float x = widen(g[i]);
-    out[i] = narrow(round_bf16(x / (1.0f + exp_poly(-x))) * widen(u[i]));
+    const float x = bf16_widen(g[i]);
+    out[i] = bf16_narrow(round_bf16(x / (1.0f + exp_poly(-x))) * bf16_widen(u[i]));
   }
 }
 
