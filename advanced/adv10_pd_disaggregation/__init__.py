@@ -1,0 +1,1 @@
+"""Advanced lesson 10: prefill/decode disaggregation with a KV connector."""

@@ -1,0 +1,246 @@
+"""The launcher: starts the engine processes, plays a request stream into them, times every token.
+
+    disaggregated                                   colocated
+    request --> prefill process (max_tokens=1)      request --> one engine process
+            \\-> decode process (allocates, waits                 (prefills and decodes mixed)
+                 for the layers, then decodes)
+    prefill -> launcher: "started" / "prefilled" --> forwarded to decode (arms its transfer timeout;
+                                                     tells it every layer that will come is there)
+
+It plays vLLM's proxy: the request goes to both engines at once, so the decode engine allocates
+its blocks and starts loading layer 0 while the prefill engine is still on the later layers.
+Faults: a prefill process that dies turns every transfer still open into a counted local
+recompute on the decode side, and later requests run there alone; a decode process that dies is
+an error naming its exit code, the other process is stopped, and nothing is left running.
+"""
+from __future__ import annotations
+
+import pickle
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.multiprocessing as mp
+
+from minivllm_support.timeline import Timeline
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step17_tensor_parallel.workers import shutdown
+from advanced.adv10_pd_disaggregation.process import EngineSpec, engine_main, parse_fault
+from advanced.adv10_pd_disaggregation.store import default_root
+
+
+class EngineFailed(RuntimeError):
+    """An engine process the launcher cannot do without (decode, colocated) died or fell silent."""
+
+
+@dataclass
+class PDRequest:
+    arrival_s: float              # seconds after the start
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class PDRecord:
+    """One request as the launcher saw it; times are time.perf_counter() readings."""
+    rid: int
+    prompt_len: int
+    start: float = 0.0
+    prefill_done: float | None = None         # the prefill engine's token is out (all layers saved)
+    transfer: dict | None = None              # decode side: when the layers landed, bytes
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    fallback: str | None = None               # why the KV was recomputed on the decode side
+    done: bool = False
+
+
+class PDCluster:
+    def __init__(self, folder: str, mode: str = "disaggregated", dtype: torch.dtype = torch.float32,
+                 config: PagedSchedulerConfig | None = None, threads: int = 1, transfer_timeout_s: float = 10.0,
+                 fault: str = "", start_timeout_s: float = 120.0):
+        if mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
+        if threads < 1 or transfer_timeout_s <= 0:
+            raise ValueError(f"need threads >= 1 and transfer_timeout_s > 0, got {threads}, {transfer_timeout_s}")
+        parse_fault(fault)                              # a bad fault string fails here, not in a child
+        self.mode, self.config = mode, config or PagedSchedulerConfig()
+        self.procs, self.conns, self.names = [], [], []
+        self.proc_of: dict[str, mp.Process] = {}
+        self.replies: list[tuple] = []
+        self.root = default_root() if mode == "disaggregated" else None
+        self.prefill_lost: str | None = None
+        self.records: dict[int, PDRecord] = {}
+        roles = ("prefill", "decode") if mode == "disaggregated" else ("colocated",)
+        try:
+            for rank, role in enumerate(roles, 1):
+                spec = EngineSpec(role, str(folder), dtype, threads, self.config, str(self.root or ""),
+                                  transfer_timeout_s, fault, rank)
+                self._spawn(role, spec)
+            self.info = [self._ready(i, start_timeout_s) for i in range(len(roles))]
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- processes -----------------------------------------------------------------------------
+    def _spawn(self, role: str, spec: EngineSpec) -> None:
+        ctx = mp.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=engine_main, args=(spec, theirs), name=f"pd-{role}", daemon=True)
+        proc.start()
+        theirs.close()
+        self.procs.append(proc)
+        self.proc_of[role] = proc
+        self.conns.append(ours)
+        self.names.append(role)
+
+    def _ready(self, i: int, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.conns[i].poll(0.1):
+                try:
+                    kind, info = self._recv(i)
+                except (EOFError, OSError):
+                    raise EngineFailed(f"{self._died(i)} while starting") from None
+                if kind == "error":
+                    raise EngineFailed(f"the {self.names[i]} engine failed while starting:\n{info}")
+                return info
+            proc = self.proc_of[self.names[i]]
+            if not proc.is_alive():
+                raise EngineFailed(f"the {self.names[i]} engine exited with code {proc.exitcode} while starting")
+        raise EngineFailed(f"the {self.names[i]} engine did not start within {timeout_s:g} s")
+
+    def _recv(self, i: int):
+        return pickle.loads(self.conns[i].recv_bytes())
+
+    def _send(self, role: str, msg: tuple) -> None:
+        self.conns[self.names.index(role)].send(msg)
+
+    @property
+    def decode_role(self) -> str:
+        return "decode" if self.mode == "disaggregated" else "colocated"
+
+    def _died(self, i: int) -> str:
+        proc = self.proc_of[self.names[i]]
+        proc.join(1.0)
+        code = proc.exitcode
+        how = "is still running but closed its pipe" if code is None else (
+            f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        return f"the {self.names[i]} engine (pid {proc.pid}) {how}"
+
+    # ---- a run ---------------------------------------------------------------------------------
+    def run(self, requests: list[PDRequest], timeout_s: float = 300.0) -> list[PDRecord]:
+        """Send each request at its arrival time; return when every one has finished."""
+        base = len(self.records)
+        todo = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+        t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
+        recs = [PDRecord(base + i, len(r.prompt_ids)) for i, r in enumerate(requests)]
+        self.records.update({r.rid: r for r in recs})
+        while not all(r.done for r in recs):
+            if time.monotonic() > deadline:
+                raise EngineFailed(f"{sum(not r.done for r in recs)} requests unfinished after {timeout_s:g} s")
+            now = time.perf_counter() - t0
+            while todo and requests[todo[0]].arrival_s <= now:
+                i = todo.pop(0)
+                self._submit(recs[i], requests[i])
+            gap = requests[todo[0]].arrival_s - now if todo else 0.05
+            for conn in wait(self.conns, timeout=max(0.0, min(gap, 0.05))):
+                self._drain(self.conns.index(conn))
+        return recs
+
+    def _submit(self, rec: PDRecord, req: PDRequest) -> None:
+        rec.start = time.perf_counter()
+        params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+        remote = self.mode == "disaggregated" and self.prefill_lost is None
+        if remote:
+            self._send("prefill", ("add", rec.rid, req.prompt_ids))
+        elif self.mode == "disaggregated":
+            rec.fallback = f"no prefill engine ({self.prefill_lost})"
+        self._send(self.decode_role, ("add", rec.rid, req.prompt_ids, params, remote))
+
+    def _drain(self, i: int) -> None:
+        role = self.names[i]
+        try:
+            while self.conns[i].poll(0):
+                self._handle(role, self._recv(i))
+        except (EOFError, OSError):
+            if role != "prefill":
+                raise EngineFailed(f"{self._died(i)}; {sum(not r.done for r in self.records.values())} "
+                                   f"requests unfinished") from None
+            self._lose_prefill(self._died(i))
+
+    def _lose_prefill(self, why: str) -> None:
+        if self.prefill_lost is not None:
+            return
+        self.prefill_lost = why
+        self.conns[0].close()
+        self.conns.pop(0)
+        self.names.pop(0)
+        print(f"[minivllm] {why}: open transfers fall back to local prefill on the decode engine", file=sys.stderr)
+        for rec in self.records.values():
+            if rec.prefill_done is None and not rec.done and rec.fallback is None:
+                self._send("decode", ("lost", rec.rid, why))
+
+    def _handle(self, role: str, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "error":
+            raise EngineFailed(f"the {role} engine raised:\n{msg[1]}")
+        if kind == "started":
+            for rid in msg[1]:
+                self._send("decode", ("started", rid))
+        elif kind == "prefilled":
+            self.records[msg[1]].prefill_done = msg[3]
+            self._send("decode", ("prefilled", msg[1]))
+        elif kind == "tokens":
+            for rid, token, t, finished, facts in msg[1]:
+                rec = self.records[rid]
+                rec.token_ids.append(token)
+                rec.token_times.append(t)
+                rec.transfer = rec.transfer or facts
+                rec.done = finished
+        elif kind == "fallback":
+            _, rid, reason, tokens = msg
+            self.records[rid].fallback = reason
+            print(f"[minivllm] request {rid}: KV transfer failed ({reason}); its {tokens} prompt tokens are "
+                  f"recomputed on the decode engine", file=sys.stderr)
+        else:
+            self.replies.append(msg)
+
+    # ---- questions to every engine ------------------------------------------------------------
+    def ask(self, what: str, timeout_s: float = 30.0) -> dict[str, object]:
+        """Each live engine's answer to ("stats",) or ("timeline",), by role."""
+        self.replies: list[tuple] = []
+        out = {}
+        for i, role in enumerate(list(self.names)):
+            self.conns[i].send((what,))
+            deadline = time.monotonic() + timeout_s
+            while not any(m[0] == what for m in self.replies):
+                if time.monotonic() > deadline:
+                    raise EngineFailed(f"the {role} engine did not answer {what!r} within {timeout_s:g} s")
+                if self.conns[i].poll(0.05):
+                    self._drain(i)
+            out[role] = next(m[1] for m in self.replies if m[0] == what)
+            self.replies = []
+        return out
+
+    def stats(self) -> dict[str, dict]:
+        return self.ask("stats")
+
+    def timelines(self) -> list[Timeline]:
+        return [Timeline.from_dict(d) for d in self.ask("timeline").values()]
+
+    def close(self) -> None:
+        """Stop every engine process (ask, then terminate, then kill) and remove the store."""
+        shutdown(self.procs, self.conns, wait_s=5.0)
+        self.procs, self.conns = [], []
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "PDCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

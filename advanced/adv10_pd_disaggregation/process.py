@@ -1,0 +1,204 @@
+"""An engine process: the prefill engine, the decode engine, or the colocated one, behind a pipe.
+
+    launcher --pipe--> engine: ("add", rid, prompt_ids, params, remote) | ("started", rid) |
+                               ("prefilled", rid) | ("lost", rid, reason) | ("stats",) |
+                               ("timeline",) | b"" (stop)
+    engine --pipe--> launcher: ("ready", facts) once, or ("error", traceback) before it exits;
+        prefill: ("started", [rid], t) when a prompt's last step begins (its layers start to ship),
+                 ("prefilled", rid, token, t) when it is done (every layer it will send is out)
+        decode / colocated: ("tokens", [(rid, token, t, finished, transfer facts)]) after each step,
+                 ("fallback", rid, reason, tokens recomputed) when a transfer is given up
+
+Each process is an ordinary engine loop: take messages, run a step if there is work, else wait
+(the decode engine waits on the next layer of a load in flight). It ends with its launcher
+(lesson 17's worker_exit: die_with_parent, a traceback to the launcher on a crash).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from minivllm_support.timeline import Timeline
+from step04_transformer.loader import load_model
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step17_tensor_parallel.worker import worker_exit
+from advanced.adv10_pd_disaggregation.connector import prompt_key
+from advanced.adv10_pd_disaggregation.engines import DecodeEngine, PrefillEngine, build_pd_engine
+from advanced.adv10_pd_disaggregation.store import KVStore, StoreConnectorWorker
+
+FAULT_KINDS = ("drop", "exit-prefill", "exit-decode")
+IDLE_WAIT_S = 0.05          # an idle engine checks its pipe this often
+LOAD_WAIT_S = 0.002         # a decode engine with only loads in flight waits this long per look
+
+
+def parse_fault(fault: str) -> tuple[str, int] | None:
+    """"drop:R" (request R's last layer is never written), "exit-prefill:R" (the prefill process
+    dies after shipping request R's layer 0), "exit-decode:R" (the decode process dies when
+    request R gets its first token)."""
+    if not fault:
+        return None
+    kind, _, rid = fault.partition(":")
+    if kind not in FAULT_KINDS or not rid.isdigit():
+        raise ValueError(f"fault {fault!r}: expected one of {', '.join(k + ':<request>' for k in FAULT_KINDS)}")
+    return kind, int(rid)
+
+
+@dataclass
+class EngineSpec:
+    role: str                     # "prefill" | "decode" | "colocated"
+    folder: str
+    dtype: torch.dtype
+    threads: int
+    config: PagedSchedulerConfig
+    store_root: str = ""
+    transfer_timeout_s: float = 10.0
+    fault: str = ""
+    rank: int = 1                 # its row on the timeline
+
+
+def engine_main(spec: EngineSpec, conn: Connection) -> None:
+    with worker_exit(f"{spec.role} engine") as state:
+        state.conn = conn
+        torch.set_num_threads(spec.threads)
+        torch.set_grad_enabled(False)
+        fault = parse_fault(spec.fault)
+        tl = Timeline(spec.rank, f"{spec.role} engine (pid {os.getpid()})")
+        model = load_model(spec.folder, spec.dtype)
+        store = KVStore(spec.store_root) if spec.role != "colocated" else None
+
+        def make_worker(pool, num_layers: int) -> StoreConnectorWorker:
+            drop = {(fault[1], num_layers - 1)} if fault and fault[0] == "drop" else set()
+            return StoreConnectorWorker(store, pool, num_layers, spec.transfer_timeout_s, drop, tl)
+
+        send = conn.send
+        on_start = (lambda rids: send(("started", rids, time.perf_counter()))) if spec.role == "prefill" else None
+        extra = {"make_worker": make_worker} if store else {}
+        if on_start:
+            extra["on_save_start"] = on_start
+        engine = build_pd_engine(model, spec.role, config=spec.config, **extra)
+        if fault and fault[0] == "exit-prefill" and isinstance(engine, PrefillEngine):
+            arm_exit_after_layer0(engine, fault[1])
+        bm = engine.scheduler.block_manager
+        conn.send(("ready", {"pid": os.getpid(), "num_blocks": bm.num_blocks, "block_size": bm.block_size}))
+        loop = prefill_loop if isinstance(engine, PrefillEngine) else decode_loop
+        loop(engine, conn, tl, fault)
+
+
+def arm_exit_after_layer0(engine: PrefillEngine, rid: int) -> None:
+    """The injected crash: the process vanishes mid-transfer, after request rid's layer 0."""
+    save = engine.worker.save_kv_layer
+
+    def save_then_maybe_die(layer: int, pool) -> None:
+        save(layer, pool)
+        if layer == 0 and any(s.req_id == rid for s in engine.worker._saves):
+            os._exit(3)
+    engine.worker.save_kv_layer = save_then_maybe_die
+
+
+def messages(conn: Connection, wait_s: float):
+    """The messages waiting on the pipe (waiting up to wait_s for the first); None means stop."""
+    if not conn.poll(wait_s):
+        return
+    while True:
+        data = conn.recv_bytes()
+        yield pickle.loads(data) if data else None
+        if not conn.poll(0):
+            return
+
+
+def common(msg, engine, conn: Connection, tl: Timeline) -> bool:
+    """The messages every role answers; True when handled."""
+    if msg[0] == "stats":
+        bm = engine.scheduler.block_manager
+        conn.send(("stats", {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                             "fallbacks": len(getattr(engine, "fallbacks", ())),
+                             "bytes_saved": getattr(getattr(engine, "worker", None), "bytes_saved", 0),
+                             "bytes_loaded": getattr(getattr(engine, "worker", None), "bytes_loaded", 0),
+                             "unfinished": engine.has_unfinished()}))
+        return True
+    if msg[0] == "timeline":
+        conn.send(("timeline", tl.to_dict()))
+        tl.clear()
+        return True
+    return False
+
+
+def prefill_loop(engine: PrefillEngine, conn: Connection, tl: Timeline, fault) -> None:
+    rid_of: dict[int, int] = {}                 # seq id -> request id
+    while True:
+        for msg in messages(conn, 0 if engine.has_unfinished() else IDLE_WAIT_S):
+            if msg is None:
+                return
+            if msg[0] == "add":
+                _, rid, prompt_ids = msg[:3]
+                rid_of[engine.add_prefill(rid, prompt_ids, prompt_key(prompt_ids, rid)).seq_id] = rid
+            elif not common(msg, engine, conn, tl):
+                raise ValueError(f"prefill engine: unknown message {msg[0]!r}")
+        if engine.has_unfinished():
+            with tl.span("prefill step", "compute") as args:
+                sampled = engine.step()
+                args["requests"] = [rid_of[s.seq_id] for s in sampled]
+            for seq in sampled:
+                conn.send(("prefilled", rid_of.pop(seq.seq_id), seq.token_ids[-1], time.perf_counter()))
+
+
+def decode_loop(engine, conn: Connection, tl: Timeline, fault) -> None:
+    """The decode engine's loop (the colocated engine runs it too: without loads)."""
+    rid_of: dict[int, int] = {}
+    is_decode = isinstance(engine, DecodeEngine)
+    reported = 0
+    while True:
+        busy = engine.has_runnable() if is_decode else engine.has_unfinished()
+        loading = is_decode and bool(engine.worker.open)
+        for msg in messages(conn, 0 if busy or loading else IDLE_WAIT_S):
+            if msg is None:
+                return
+            kind = msg[0]
+            if kind == "add":
+                _, rid, prompt_ids, params, remote = msg
+                seq = (engine.add_consumer(rid, prompt_ids, params, prompt_key(prompt_ids, rid)) if remote
+                       else engine.add_request(prompt_ids, params))
+                rid_of[seq.seq_id] = rid
+            elif kind in ("started", "prefilled", "lost") and is_decode:
+                if kind == "started":
+                    engine.worker.arm(msg[1])
+                elif kind == "prefilled":
+                    engine.worker.producer_done(msg[1])
+                else:
+                    engine.fail_transfer(msg[1], msg[2])
+            elif not common(msg, engine, conn, tl):
+                raise ValueError(f"{'decode' if is_decode else 'colocated'} engine: unknown message {kind!r}")
+        if busy:
+            with tl.span("decode step" if is_decode else "step", "compute") as args:
+                sampled = engine.step()
+                args["tokens"] = len(sampled)
+            out = []
+            for seq in sampled:
+                rid = rid_of[seq.seq_id]
+                facts = transfer_facts(engine, rid) if len(seq.output_token_ids) == 1 else None
+                out.append((rid, seq.token_ids[-1], seq.token_times[-1], seq.is_finished, facts))
+                if fault and fault[0] == "exit-decode" and rid == fault[1]:
+                    os._exit(3)                    # the injected crash: gone without a word
+            if out:
+                conn.send(("tokens", out))
+        elif loading:
+            t0 = time.perf_counter_ns()
+            engine.advance_transfers(LOAD_WAIT_S)
+            tl.add("wait for KV", "wait", t0, time.perf_counter_ns())
+        if is_decode:
+            for fb in engine.fallbacks[reported:]:
+                conn.send(("fallback", fb.req_id, fb.reason, fb.tokens_recomputed))
+            reported = len(engine.fallbacks)
+
+
+def transfer_facts(engine, rid: int) -> dict | None:
+    """When a request's KV landed here, layer by layer, and how many bytes: for the TTFT split."""
+    load = getattr(engine, "loads", {}).pop(rid, None)
+    if load is None or len(load.landed) < engine.worker.num_layers:
+        return None                                # no transfer, or it was given up
+    return {"opened": load.opened, "first_layer": load.landed[0], "landed": load.landed[-1], "bytes": load.bytes}
