@@ -1,0 +1,34 @@
+"""Random Qwen3-Next checkpoints made with transformers, for the tests and run.py.
+
+No Qwen3-Next weights small enough for these machines exist (the real one has 80B parameters),
+so the lesson makes its own: transformers' `Qwen3NextForCausalLM` at a small shape, with random
+weights from a fixed seed, written with `save_pretrained`. What it checks is exactness against
+Hugging Face's implementation of the architecture, and what it measures is cost, both of which
+random weights serve as well as trained ones; the tokens it generates mean nothing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, full_attention_interval=2, max_position_embeddings=1024,
+            bos_token_id=1, eos_token_id=2)
+
+
+def build_hybrid_checkpoint(path: str | Path, seed: int = 0, **overrides) -> Path:
+    """TINY (two DeltaNet layers, two attention layers) updated by `overrides`; dense MLPs
+    (num_experts=0). Norm weights are randomised: their initial zeros would hide a wrong norm."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = {**TINY, "num_experts": 0, **overrides}
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p) + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
+    model.save_pretrained(str(path))
+    return Path(path)
