@@ -12,7 +12,7 @@ the same as the whole layer's: only where they run changes. Between them one ten
 [T, hidden], crosses to the FFN side, and one, `out` [T, hidden], comes back.
 
 Both sides are built as lesson 04's whole `CausalLM` on the meta device (no memory), with the
-other side's modules swapped for weightless placeholders (adv06's `MissingLayer`, `DtypeProbe`),
+other side's modules swapped for weightless placeholders (`OnTheOtherSide`; adv06's `DtypeProbe`),
 so every parameter keeps its checkpoint name; lesson 04's strict loader, given a `keep` filter,
 reads only the side's tensors and still names any tensor that is missing or mis-shaped.
 """
@@ -22,12 +22,12 @@ import re
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from step04_transformer.config import ModelConfig
 from step04_transformer.loader import load_weights
 from step04_transformer.model import CausalLM, DecoderLayer, StepAttention
-from advanced.adv06_pipeline_parallel.stage import DtypeProbe, MissingLayer
+from advanced.adv06_pipeline_parallel.stage import DtypeProbe
 
 _LAYER = re.compile(r"model\.layers\.\d+\.(.+)$")
 FFN_PARTS = ("post_attention_layernorm.", "mlp.")       # a layer's tensors the FFN side owns
@@ -37,6 +37,17 @@ def is_ffn_tensor(name: str) -> bool:
     """Does checkpoint tensor `name` belong to the FFN side? Everything else is the attention side's."""
     m = _LAYER.match(name)
     return bool(m) and m.group(1).startswith(FFN_PARTS)
+
+
+class OnTheOtherSide(nn.Module):
+    """Stands where the other side's module is (adv06's MissingLayer, for a side): no weights, never called."""
+
+    def __init__(self, side: str):
+        super().__init__()
+        self.side = side
+
+    def forward(self, *args):
+        raise RuntimeError(f"this module runs on the {self.side} side, in another process")
 
 
 def attention_half(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, attn: StepAttention) -> Tensor:
@@ -55,7 +66,7 @@ class AttentionSide(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)                        # on the meta device: nothing is allocated yet
         for layer in self.model.layers:
-            layer.post_attention_layernorm, layer.mlp = MissingLayer(), MissingLayer()
+            layer.post_attention_layernorm, layer.mlp = OnTheOtherSide("FFN"), OnTheOtherSide("FFN")
 
     def forward(self, *args):
         raise RuntimeError("the attention side runs layer halves (AFDRunner), never the whole model")
@@ -68,7 +79,7 @@ class FFNSide(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         for layer in self.model.layers:
-            layer.input_layernorm, layer.self_attn = MissingLayer(), MissingLayer()
+            layer.input_layernorm, layer.self_attn = OnTheOtherSide("attention"), OnTheOtherSide("attention")
         self.model.embed_tokens, self.model.norm, self.lm_head = DtypeProbe(cfg), None, None
 
     def forward(self, layer_idx: int, h: Tensor) -> Tensor:

@@ -1,0 +1,159 @@
+"""From the timeline to a cost model, and from the model to the attention:FFN ratio that balances them.
+
+    measured spans (one run)                          fitted model
+    rank 0: attention half of layer l, micro-batch i  attn(T, K) = a + b*T + c*K    (T tokens, K KV tokens read)
+    FFN:    MLP half of layer l, micro-batch i        ffn(T)    = d + e*T
+    rank 0: wait for FFN output - FFN compute         hop       = h                (both transfers + overheads)
+
+One layer of a step, with its micro-batches (T_i, K_i), n_ffn FFN ranks and micro-batch i on
+FFN rank 1 + i % n_ffn, goes no faster than the busiest of three things:
+
+    rank 0:       sum_i attn(T_i, K_i)                    (attention of every micro-batch)
+    an FFN rank:  sum over its micro-batches of ffn(T_i)
+    one chain:    attn(T_i, K_i) + ffn(T_i) + h           (i's next layer needs i's FFN output;
+                                                          h: both transfers)
+
+With m = 1 the chain is the whole layer: each side idles while the other works. With m >= 2 the
+sides overlap and the slower side sets the pace. Balanced means both sides take the same time:
+with n_a attention and n_f FFN workers sharing a batch, attn(B/n_a, ...) = ffn(B n_a / n_f / n_a)
+per worker, i.e. n_a / n_f = attention time / FFN time for the same tokens (`balanced_ratio`).
+It is a model: it knows nothing of processes sharing cores, and says so by how far it lands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm_support.timeline import Span, Timeline, busy_ns
+from advanced.adv11_afd.microbatch import ffn_rank
+
+
+@dataclass
+class LayerCost:
+    """Seconds for one layer half of one micro-batch: fixed + per token + per KV token read."""
+    fixed_s: float
+    per_token_s: float
+    per_kv_token_s: float = 0.0
+
+    def __call__(self, tokens: int, kv_tokens: int = 0) -> float:
+        return self.fixed_s + self.per_token_s * tokens + self.per_kv_token_s * kv_tokens
+
+
+def fit_nonnegative(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares y = rows @ coef with every coefficient >= 0 (a cost has no negative part):
+    a coefficient the fit wants negative is dropped (set to 0) and the rest refitted."""
+    if not rows:
+        raise ValueError("no samples to fit")
+    active = list(range(len(rows[0])))
+    X, y = torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)[:, None]
+    while True:
+        coef = [0.0] * len(rows[0])
+        if active:
+            sol = torch.linalg.lstsq(X[:, active], y).solution[:, 0].tolist()
+            for j, c in zip(active, sol):
+                coef[j] = c
+        negative = [j for j in active if coef[j] < 0]
+        if not negative:
+            return coef
+        active.remove(min(negative, key=lambda j: coef[j]))
+
+
+def attention_spans(tl: Timeline) -> list[Span]:
+    return [s for s in tl.spans if s.cat == "compute" and "kv_tokens" in s.args]
+
+
+def ffn_spans(tl: Timeline) -> list[Span]:
+    return [s for s in tl.spans if s.cat == "compute" and "layer" in s.args and "kv_tokens" not in s.args]
+
+
+def fit_attention(tl: Timeline) -> LayerCost:
+    spans = attention_spans(tl)
+    return LayerCost(*fit_nonnegative([[1.0, s.args["tokens"], s.args["kv_tokens"]] for s in spans],
+                                      [s.dur_ns / 1e9 for s in spans]))
+
+
+def fit_ffn(timelines: list[Timeline]) -> LayerCost:
+    spans = [s for tl in timelines[1:] for s in ffn_spans(tl)]
+    return LayerCost(*fit_nonnegative([[1.0, s.args["tokens"]] for s in spans], [s.dur_ns / 1e9 for s in spans]))
+
+
+def hop_samples(timelines: list[Timeline]) -> list[float]:
+    """Per exchange where rank 0 waited at once (its wait began right after its send, as at m = 1):
+    the round trip less the FFN's compute: two transfers and the FFN side's receive/send overhead."""
+    ffn = {(s.args["step"], s.args["layer"], s.args["micro_batch"]): s.dur_ns / 1e9
+           for tl in timelines[1:] for s in ffn_spans(tl)}
+    out = []
+    for s in timelines[0].spans:
+        key = (s.args.get("step"), s.args.get("layer"), s.args.get("micro_batch"))
+        if s.cat == "recv" and key in ffn and s.dur_ns / 1e3 >= 0.9 * s.args["round_trip_us"]:
+            out.append(max(0.0, s.args["round_trip_us"] / 1e6 - ffn[key]))
+    return out
+
+
+def fit_hop(timelines: list[Timeline]) -> float:
+    samples = sorted(hop_samples(timelines))
+    return samples[len(samples) // 2] if samples else 0.0           # the median: robust to a stall
+
+
+@dataclass
+class StepShape:
+    """One step as the model needs it: the layers, and (tokens, KV tokens) of each micro-batch."""
+    step: int
+    layers: int
+    micro_batches: list[tuple[int, int]]
+
+
+def step_shapes(tl: Timeline) -> list[StepShape]:
+    by_step: dict[int, dict[int, tuple[int, int]]] = {}
+    layers: dict[int, int] = {}
+    for s in attention_spans(tl):
+        a = s.args
+        by_step.setdefault(a["step"], {})[a["micro_batch"]] = (a["tokens"], a["kv_tokens"])
+        layers[a["step"]] = max(layers.get(a["step"], 0), a["layer"] + 1)
+    return [StepShape(k, layers[k], [mbs[i] for i in sorted(mbs)]) for k, mbs in sorted(by_step.items())]
+
+
+def layer_times(shape: StepShape, attn: LayerCost, ffn: LayerCost, hop: float, n_ffn: int) -> tuple[float, float, float]:
+    """(cycle, rank 0's busy time, the busiest FFN rank's busy time) of one layer of this step."""
+    a = [attn(t, k) for t, k in shape.micro_batches]
+    f = [ffn(t) for t, _ in shape.micro_batches]
+    per_rank = [sum(fi for i, fi in enumerate(f) if ffn_rank(i, n_ffn) == r) for r in range(1, n_ffn + 1)]
+    chain = max(ai + fi + hop for ai, fi in zip(a, f))
+    return max(sum(a), max(per_rank), chain), sum(a), max(per_rank)
+
+
+@dataclass
+class LoopPrediction:
+    seconds: float               # the steps' layer loops, end to end
+    attention_busy: float        # share of it rank 0 computes attention halves
+    ffn_busy: float              # share of it the busiest FFN rank computes
+
+
+def predict_loops(shapes: list[StepShape], attn: LayerCost, ffn: LayerCost, hop: float, n_ffn: int) -> LoopPrediction:
+    total = a_busy = f_busy = 0.0
+    for shape in shapes:
+        cycle, a, f = layer_times(shape, attn, ffn, hop, n_ffn)
+        total, a_busy, f_busy = total + shape.layers * cycle, a_busy + shape.layers * a, f_busy + shape.layers * f
+    return LoopPrediction(total, a_busy / max(total, 1e-12), f_busy / max(total, 1e-12))
+
+
+def measured_loops(timelines: list[Timeline]) -> LoopPrediction:
+    """The same three numbers from a run's timeline: each step's layer loop runs on rank 0 from its
+    first attention half to its last wait for the FFN; busy time is counted inside those windows."""
+    windows: dict[int, list[int]] = {}
+    for s in timelines[0].aligned():
+        if "layer" in s.args and (s.cat == "recv" or "kv_tokens" in s.args):
+            w = windows.setdefault(s.args["step"], [s.start_ns, s.end_ns])
+            w[0], w[1] = min(w[0], s.start_ns), max(w[1], s.end_ns)
+    total = sum(b - a for a, b in windows.values())
+    attn = sum(busy_ns(Timeline(0, spans=attention_spans(timelines[0]), offset_ns=timelines[0].offset_ns),
+                       ("compute",), tuple(w)) for w in windows.values())
+    ffn = max((sum(busy_ns(tl, ("compute",), tuple(w)) for w in windows.values()) for tl in timelines[1:]), default=0)
+    return LoopPrediction(total / 1e9, attn / max(total, 1), ffn / max(total, 1))
+
+
+def balanced_ratio(attn: LayerCost, ffn: LayerCost, batch: int, context: int) -> float:
+    """Attention workers per FFN worker that balance a decode batch of `batch` sequences at
+    `context` tokens each: attention time / FFN time for the same tokens."""
+    return attn(batch, batch * context) / ffn(batch)

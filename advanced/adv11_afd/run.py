@@ -1,0 +1,94 @@
+"""Advanced lesson 11: attention/FFN disaggregation. Every layer's MLP in another process; the
+attention side ships its hidden states there and back per layer, with 1 and 2 micro-batches
+ping-ponging, at 1 and 2 FFN processes, against one process: step time, busy share of each side
+from the timeline, bytes per layer priced on 10/25/100 Gbit/s, and a cost model fitted on one run
+that predicts the balancing attention:FFN ratio and is checked on the others."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from minivllm_support.cli import base_parser
+from minivllm_support.models import chat_prompt_ids
+from minivllm_support.timeline import chrome_trace, validate_trace, write_chrome_trace
+from minivllm_support.timing import compare
+from step04_transformer.start import start_lesson
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step16_cuda_graph.cpu.engine import build_engine
+from advanced.adv06_pipeline_parallel.run import QUESTIONS, one_process
+from advanced.adv11_afd.engine import AFDEngine
+from advanced.adv11_afd.report import report
+
+
+def disaggregated(engine: AFDEngine, m: int, prompts, sp):
+    def run() -> dict:
+        engine.set_micro_batches(m)
+        engine.collect_timelines()                       # drop what earlier runs recorded
+        engine.traffic.reset()
+        seqs = engine.generate(prompts, sp)
+        t = engine.traffic
+        return dict(outputs=[s.output_token_ids for s in seqs], timelines=engine.collect_timelines(),
+                    traffic=dict(to_ffn=t.to_ffn, from_ffn=t.from_ffn, plan=t.plan, exchanges=t.exchanges,
+                                 layer_tokens=t.layer_tokens, steps=engine.runner.steps))
+    return run
+
+
+def trace_name(variant: str) -> str:
+    """"AFD 1:2, m=2" -> "trace_1to2_m2.json"."""
+    ratio, m = variant.split()[1].rstrip(","), variant.split("=")[1]
+    return f"trace_{ratio.replace(':', 'to')}_m{m}.json"
+
+
+def workload_prompts(tok, n: int) -> list[list[int]]:
+    """n chat requests whose contexts differ (0 to 3 copies of a short document before the question),
+    so that the attention fit sees how its time grows with the KV it reads."""
+    doc = " ".join(QUESTIONS)
+    return [chat_prompt_ids(tok, f"{(doc + ' ') * (i % 4)}{QUESTIONS[i % len(QUESTIONS)]}") for i in range(n)]
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--ffn", default="1,2", help="FFN processes to run (attention is always 1 process); "
+                   "the first count's m=1 run fits the cost model")
+    p.add_argument("--out", type=Path, default=Path("build/adv11"), help="folder for the traces")
+    args = p.parse_args()
+    args.repeats = args.repeats or 2
+    dtype, folder, model, tok = start_lesson(args)
+    cores = args.threads or os.cpu_count() or 1
+    ffn_counts = [int(n) for n in args.ffn.split(",")]
+    prompts = workload_prompts(tok, args.requests)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)   # equal work everywhere
+    config = PagedSchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=256, block_size=16,
+                                  kv_cache_bytes=64 * 2**20)
+    print(f"workload: {len(prompts)} chat requests, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens, {args.max_tokens} greedy tokens each; prompts chunked by {config.max_num_batched_tokens} tokens")
+    single = build_engine(model, config, use_graph=False)
+    runs = compare({f"one process, {cores} threads": one_process(single, cores, prompts, sp),
+                    "one process, 1 thread": one_process(single, 1, prompts, sp)}, repeats=args.repeats)
+    memory = {}
+    for n_ffn in ffn_counts:
+        with AFDEngine(folder, config, num_ffn=n_ffn, dtype=dtype, threads_per_rank=1) as engine:
+            memory[n_ffn] = engine.rank_memory
+            ms = (1, 2) if n_ffn == 1 else (2,)
+            runs.update(compare({f"AFD 1:{n_ffn}, m={m}": disaggregated(engine, m, prompts, sp) for m in ms},
+                                repeats=args.repeats))
+    print(f"\nprocesses: 1 attention + FFN processes, 1 torch thread each; weights per rank (MiB): " + "; ".join(
+        f"1:{n} {[round(r['weight_bytes'] / 2**20, 1) for r in mem]}" for n, mem in memory.items())
+        + f" (one process: {round(sum(t.numel() * t.element_size() for t in model.parameters()) / 2**20, 1)})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, t in runs.items():
+        if "timelines" in t.result:
+            tls = t.result["timelines"]
+            problems = validate_trace(chrome_trace(tls))
+            t.result["trace"] = (write_chrome_trace(tls, args.out / trace_name(name))
+                                 .as_posix() + ("" if not problems else f" (invalid: {problems[:2]})"))
+    report(runs, args, dtype, model.config, ffn_counts)
+
+
+if __name__ == "__main__":
+    main()
