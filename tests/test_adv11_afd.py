@@ -1,7 +1,7 @@
 """Advanced lesson 11: attention/FFN disaggregation. The weight split (each side loads only its
 tensors, the halves chain to the whole model); the micro-batch cut; the cost model on synthetic
 numbers; the AFD engine giving the single-process tokens (fp32) with 1, 2 and 3 micro-batches and
-with two FFN processes; a killed, raising or hanging FFN process a clear error in seconds with
+with two FFN processes, and with the FFN process on another "node" (loopback); a killed, raising or hanging FFN process a clear error in seconds with
 nothing left running."""
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from step09_continuous_batching.scheduler import ScheduledBatch
 from step09_continuous_batching.sequence import Sequence
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step16_cuda_graph.cpu.engine import build_engine
+from step17_tensor_parallel.launch import NodeLaunch
 from step17_tensor_parallel.worker import model_bytes
 from step17_tensor_parallel.workers import WorkerFailed
 from advanced.adv11_afd.costmodel import (LayerCost, StepShape, balanced_ratio, fit_attention, fit_ffn,
@@ -29,6 +30,7 @@ from advanced.adv11_afd.engine import AFDEngine
 from advanced.adv11_afd.ffn_worker import FAULT_ENV
 from advanced.adv11_afd.microbatch import StepPlan, ffn_rank, split_batch
 from advanced.adv11_afd.split import attention_half, ffn_half, is_ffn_tensor, load_attention_side, load_ffn_side
+from tests.processes import free_port, gone, kill_tree, start_node
 
 
 def _prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
@@ -232,3 +234,25 @@ def test_ffn_that_raises_exits_or_hangs(tiny4, monkeypatch, fault, expect, no_le
         assert time.perf_counter() - t0 < 10
         assert expect in str(info.value)
         assert engine.closed and not any(w.is_alive() for w in engine.workers)
+
+
+@pytest.mark.slow
+def test_the_ffn_side_on_another_node(tiny4, no_leftovers):
+    """Two 'machines' on loopback (lesson 17's launch path): node 1 is `python -m advanced.adv11_afd.node`,
+    its own process tree, holding the FFN rank; the tokens are one process's, and node 1 exits 0 on close."""
+    prompts = _prompts(512, (20, 17, 3))
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = [s.output_token_ids for s in build_engine(load_model(tiny4, torch.float32), _config(), use_graph=False)
+           .generate(prompts, sp)]
+    port = free_port()
+    node1 = start_node("advanced.adv11_afd.node", tiny4, port, "--num-ffn", "1")
+    try:
+        launch = NodeLaunch(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, rendezvous_timeout_s=20)
+        with AFDEngine(tiny4, _config(), dtype=torch.float32, threads_per_rank=1, launch=launch) as engine:
+            assert engine.workers == []                   # the FFN process lives on "node 1"
+            assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+            assert len(engine.collect_timelines()) == 2   # its timeline comes over the control socket
+        out = gone(node1)
+        assert node1.returncode == 0, out
+    finally:
+        kill_tree(node1)

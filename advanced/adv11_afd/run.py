@@ -18,6 +18,7 @@ from step04_transformer.start import start_lesson
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step16_cuda_graph.cpu.engine import build_engine
+from step17_tensor_parallel.launch import add_launch_flags, launch_from_args
 from advanced.adv06_pipeline_parallel.run import QUESTIONS, one_process
 from advanced.adv11_afd.engine import AFDEngine
 from advanced.adv11_afd.report import report
@@ -56,6 +57,7 @@ def main() -> None:
     p.add_argument("--ffn", default="1,2", help="FFN processes to run (attention is always 1 process); "
                    "the first count's m=1 run fits the cost model")
     p.add_argument("--out", type=Path, default=Path("build/adv11"), help="folder for the traces")
+    add_launch_flags(p, "python -m advanced.adv11_afd.node --num-ffn N   (one --ffn count per run across machines)")
     args = p.parse_args()
     args.repeats = args.repeats or 2
     dtype, folder, model, tok = start_lesson(args)
@@ -72,7 +74,8 @@ def main() -> None:
                     "one process, 1 thread": one_process(single, 1, prompts, sp)}, repeats=args.repeats)
     memory = {}
     for n_ffn in ffn_counts:
-        with AFDEngine(folder, config, num_ffn=n_ffn, dtype=dtype, threads_per_rank=1) as engine:
+        with AFDEngine(folder, config, num_ffn=n_ffn, dtype=dtype, threads_per_rank=1,
+                       launch=launch_from_args(args)) as engine:
             memory[n_ffn] = engine.rank_memory
             ms = (1, 2) if n_ffn == 1 else (2,)
             runs.update(compare({f"AFD 1:{n_ffn}, m={m}": disaggregated(engine, m, prompts, sp) for m in ms},
