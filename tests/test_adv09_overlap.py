@@ -5,6 +5,9 @@ through chunked prefill mixed with decodes, odd batch sizes and one-sequence ste
 schedules; a faulted worker a clear error in seconds with nothing left running."""
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -123,31 +126,50 @@ def _config(**kw) -> PagedSchedulerConfig:
     return PagedSchedulerConfig(block_size=4, kv_cache_bytes=2**20, **kw)
 
 
-def test_overlap_equals_plain_schedule_and_one_process_on_tiny(tiny4, no_leftovers):
+def test_overlap_equals_plain_schedule_and_one_process_then_a_killed_worker(tiny_qwen3_dir, no_leftovers):
     """Chunked prefill (16-token budget) mixed with decodes, 3 sequences at a time (odd cuts), and
-    a tail of steps with one sequence left (no cut); fp32. Both schedules in the same processes."""
-    prompts = _prompts(512, (3, 40, 17, 64, 9, 30, 1))
-    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 4, 14, 5, 7, 20)]
+    a tail of steps with one sequence left (no cut); fp32. Both schedules in the same processes.
+    Then the worker is killed mid-run: WorkerFailed within seconds, nothing left running."""
+    prompts = _prompts(512, (3, 40, 17, 9, 30, 1))
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 4, 5, 7, 16)]
     cfg = _config(max_num_seqs=3, max_num_batched_tokens=16)
-    ref = [s.output_token_ids for s in build_engine(load_model(tiny4, torch.float32), cfg, use_graph=False)
+    ref = [s.output_token_ids for s in build_engine(load_model(tiny_qwen3_dir, torch.float32), cfg, use_graph=False)
            .generate(prompts, sp)]
-    with OverlapEngine(tiny4, cfg, tensor_parallel_size=2, dtype=torch.float32, timeout_s=30) as engine:
+    with OverlapEngine(tiny_qwen3_dir, cfg, tensor_parallel_size=2, dtype=torch.float32, timeout_s=30) as engine:
         assert engine.all_reduce == "gloo" and len(engine.workers) == 1
         assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
         split = engine.collect_timelines()
         engine.overlap = False
         assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
         plain = engine.collect_timelines()
-    assert engine.closed and not any(w.is_alive() for w in engine.workers)
-    assert len(split) == 6 and validate_trace(chrome_trace(split)) == []      # 3 rows per rank
+        engine.overlap = True
+        error = _generate_until_failure(engine, kill_after_s=0.3)
+    assert "rank 1: process ended (killed by signal 9)" in str(error)
+    assert validate_trace(chrome_trace(split)) == [] and len(split) == 6      # 3 rows per rank
     names = {s.args["mb"] for tl in split for s in tl.spans if s.cat == "collective"}
     assert names == {"A", "B", "all"}                 # split steps and one-sequence steps both ran
     assert {s.args["mb"] for tl in plain for s in tl.spans if s.cat == "collective"} == {"all"}
     for stats in rank_stats(split).values():
         assert stats.all_reduces > 0 and 0.0 <= stats.hidden_fraction <= 1.0
     assert all(st.hidden_ns == 0 for st in rank_stats(plain).values())
+
+
+def _generate_until_failure(engine: OverlapEngine, kill_after_s: float | None = None) -> WorkerFailed:
+    """Run long requests until the worker fails (killed after kill_after_s, or by its own fault)."""
+    for p in _prompts(512, (20, 30, 40)):
+        engine.add_request(p, SamplingParams(max_tokens=400, ignore_eos=True))
+    if kill_after_s is not None:
+        killer = threading.Timer(kill_after_s, os.kill, (engine.workers[0].pid, signal.SIGKILL))
+        killer.start()
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerFailed) as info:
+        for _ in range(5000):
+            engine.step()
+    assert time.perf_counter() - t0 < 10 + (kill_after_s or 0)
+    assert engine.closed and not any(w.is_alive() for w in engine.workers)
     with pytest.raises(RuntimeError, match="closed"):
         engine.step()
+    return info.value
 
 
 def test_refusals_before_any_process(tiny_qwen3_dir, no_leftovers):
@@ -157,34 +179,17 @@ def test_refusals_before_any_process(tiny_qwen3_dir, no_leftovers):
         OverlapEngine(tiny_qwen3_dir, tensor_parallel_size=3)
 
 
-def test_worker_that_raises_is_a_clear_error_in_seconds(tiny_qwen3_dir, monkeypatch, no_leftovers):
-    monkeypatch.setenv(FAULT_ENV, "raise@3")            # lesson 17's fault switch, inherited by the workers
-    with OverlapEngine(tiny_qwen3_dir, _config(), tensor_parallel_size=2, dtype=torch.float32,
-                       timeout_s=30) as engine:
-        for p in _prompts(512, (20, 30, 40)):
-            engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
-        t0 = time.perf_counter()
-        with pytest.raises(WorkerFailed) as info:
-            for _ in range(200):
-                engine.step()
-        assert time.perf_counter() - t0 < 10
-    assert "injected fault" in str(info.value) and "rank 1 (two-batch overlap)" in str(info.value)
-    assert engine.closed and not any(w.is_alive() for w in engine.workers)
-
-
 @pytest.mark.slow
-def test_worker_that_hangs_hits_the_timeout(tiny_qwen3_dir, monkeypatch, no_leftovers):
-    monkeypatch.setenv(FAULT_ENV, "hang@2")
+@pytest.mark.parametrize("fault, timeout_s", [("raise@3", 30.0), ("hang@2", 2.0)])
+def test_faulted_worker_is_a_clear_error_in_seconds(tiny_qwen3_dir, monkeypatch, fault, timeout_s, no_leftovers):
+    """Lesson 17's fault switch (inherited by the spawned worker): one that raises sends its
+    traceback; one that stops answering trips the collective timeout."""
+    monkeypatch.setenv(FAULT_ENV, fault)
     with OverlapEngine(tiny_qwen3_dir, _config(), tensor_parallel_size=2, dtype=torch.float32,
-                       timeout_s=2) as engine:
-        for p in _prompts(512, (20, 30)):
-            engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
-        t0 = time.perf_counter()
-        with pytest.raises(WorkerFailed):
-            for _ in range(200):
-                engine.step()
-        assert time.perf_counter() - t0 < 15
-    assert not any(w.is_alive() for w in engine.workers)
+                       timeout_s=timeout_s) as engine:
+        error = _generate_until_failure(engine)
+    if fault.startswith("raise"):
+        assert "injected fault" in str(error) and "rank 1 (two-batch overlap)" in str(error)
 
 
 @pytest.mark.slow

@@ -49,21 +49,29 @@ def covered_ns(a: int, b: int, merged: list[tuple[int, int]], starts: list[int])
 
 @dataclass
 class OverlapStats:
-    all_reduces: int
-    comm_ns: int          # their own time, summed
-    hidden_ns: int        # of it, covered by the other micro-batch's compute
+    reduce_ns: list[int]  # each all-reduce's own time (start -> sum complete)
+    hidden_ns: int        # of their time, the part covered by the other micro-batch's compute
     wait_ns: int          # time the compute thread sat waiting for a sum (not hidden)
     layer_compute_ns: list[int]     # every half-layer compute span (one lane's attention or MLP)
+
+    @property
+    def all_reduces(self) -> int:
+        return len(self.reduce_ns)
+
+    @property
+    def comm_ns(self) -> int:
+        return sum(self.reduce_ns)
 
     @property
     def hidden_fraction(self) -> float:
         return self.hidden_ns / self.comm_ns if self.comm_ns else 0.0
 
     def mean_all_reduce_us(self) -> float:
-        return self.comm_ns / max(1, self.all_reduces) / 1e3
+        return statistics.fmean(self.reduce_ns) / 1e3 if self.reduce_ns else 0.0
 
-    def median_half_layer_us(self) -> float:
-        return statistics.median(self.layer_compute_ns) / 1e3 if self.layer_compute_ns else 0.0
+    def mean_half_layer_us(self) -> float:
+        """One lane's attention or MLP half, averaged (means, not medians: they add up to a step)."""
+        return statistics.fmean(self.layer_compute_ns) / 1e3 if self.layer_compute_ns else 0.0
 
 
 def overlap_stats(compute: Iterable[Span], reduces: Iterable[Span]) -> OverlapStats:
@@ -73,12 +81,11 @@ def overlap_stats(compute: Iterable[Span], reduces: Iterable[Span]) -> OverlapSt
     by_mb = {mb: merge((s.start_ns, s.end_ns) for s in work if s.args.get("mb") == mb)
              for mb in {s.args.get("mb") for s in work}}
     starts = {mb: [a for a, _ in iv] for mb, iv in by_mb.items()}
-    comm = hidden = n = 0
+    durations, hidden = [], 0
     for r in reduces:
         if r.cat != "collective":
             continue
-        n += 1
-        comm += r.dur_ns
+        durations.append(r.dur_ns)
         mine = r.args.get("mb")
         if mine == "all":
             continue                        # an unsplit step: no other micro-batch to hide behind
@@ -87,7 +94,7 @@ def overlap_stats(compute: Iterable[Span], reduces: Iterable[Span]) -> OverlapSt
                 hidden += covered_ns(r.start_ns, r.end_ns, iv, starts[mb])
     wait = sum(s.dur_ns for s in compute if s.cat == "wait")
     layers = [s.dur_ns for s in work if "layer" in s.args]
-    return OverlapStats(n, comm, hidden, wait, layers)
+    return OverlapStats(durations, hidden, wait, layers)
 
 
 def rank_stats(timelines: Iterable[Timeline], overlap: bool | None = None,
@@ -102,3 +109,18 @@ def rank_stats(timelines: Iterable[Timeline], overlap: bool | None = None,
         compute, reduces = rows.setdefault(rank, ([], []))
         (compute if kind == 0 else reduces).extend(s for s in tl.aligned() if keep(s))
     return {rank: overlap_stats(c, r) for rank, (c, r) in sorted(rows.items())}
+
+
+def half_layer_model(c_full: float, r_full: float, c_mb: float, r_mb: float) -> tuple[float, float]:
+    """(plain, overlap) time of one half layer (attention or MLP) from its measured pieces.
+
+    plain:    compute the whole batch (c_full), then wait for its all-reduce (r_full): c + r
+    overlap:  lane A computes (c_mb) and starts its all-reduce (r_mb); B computes meanwhile; A's
+              next half starts when both B's compute and A's sum are done. In the steady state a
+              half layer takes max(2 c_mb, c_mb + r_mb) (gloo runs A's and B's sums side by side).
+    Overlap wins when max(2 c_mb, c_mb + r_mb) < c_full + r_full: when compute dominates, the
+    split's own cost (2 c_mb - c_full: two smaller matmuls, every per-call overhead twice) must
+    be below the all-reduce it hides; when communication dominates, it saves at most the
+    compute of one half, and only if the all-reduces do not get slower for running beside
+    compute and beside each other (r_mb close to r_full)."""
+    return c_full + r_full, max(2 * c_mb, c_mb + r_mb)

@@ -44,12 +44,13 @@ class StepRecorder:
         with self.compute_row.span(name, "compute", mb=mb, step=self.step, overlap=self.overlap, **args) as a:
             yield a
 
-    def add_wait(self, mb: str, start_ns: int, end_ns: int) -> None:
-        self.compute_row.add(f"wait {mb}", "wait", start_ns, end_ns, mb=mb, step=self.step, overlap=self.overlap)
+    def add_wait(self, mb: str, start_ns: int, end_ns: int, layer: int) -> None:
+        self.compute_row.add(f"wait {mb}", "wait", start_ns, end_ns, mb=mb, step=self.step, overlap=self.overlap,
+                             layer=layer)
 
-    def add_all_reduce(self, mb: str, name: str, start_ns: int, end_ns: int, nbytes: int) -> None:
+    def add_all_reduce(self, mb: str, name: str, start_ns: int, end_ns: int, nbytes: int, layer: int) -> None:
         self.reduce_row(mb).add(f"all-reduce {name}", "collective", start_ns, end_ns, mb=mb, step=self.step,
-                                overlap=self.overlap, bytes=nbytes)
+                                overlap=self.overlap, bytes=nbytes, layer=layer)
 
     def timed(self, name: str, cat: str = "compute") -> AbstractContextManager:
         """A span of the whole step's work outside the layers (the LM head and its gather)."""

@@ -63,16 +63,17 @@ class InFlight:
     work: dist.Work
     issued_ns: int
     name: str
+    layer: int
     done_ns: list[int] = field(default_factory=list)
 
 
-def start_all_reduce(x: Tensor, name: str) -> InFlight:
+def start_all_reduce(x: Tensor, name: str, layer: int) -> InFlight:
     t0 = time.perf_counter_ns()
     try:
         work = dist.all_reduce(x, async_op=True)
     except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a closed pair
         raise CollectiveError(f"all-reduce {name} failed to start: {e}") from e
-    flight = InFlight(x, work, t0, name)
+    flight = InFlight(x, work, t0, name, layer)
     # When the sum is complete: a callback on gloo's side, so the timeline shows when the bytes
     # were really done, not only when this thread came back to wait for them.
     work.get_future().then(lambda _: flight.done_ns.append(time.perf_counter_ns()))
@@ -88,8 +89,8 @@ def finish_all_reduce(flight: InFlight, timeout_s: float, rec: StepRecorder, mb:
     t1 = time.perf_counter_ns()
     done = min(flight.done_ns[0], t1) if flight.done_ns else t1
     nbytes = flight.tensor.numel() * flight.tensor.element_size()
-    rec.add_wait(mb, t0, t1)
-    rec.add_all_reduce(mb, flight.name, flight.issued_ns, max(done, flight.issued_ns), nbytes)
+    rec.add_wait(mb, t0, t1, flight.layer)
+    rec.add_all_reduce(mb, flight.name, flight.issued_ns, max(done, flight.issued_ns), nbytes, flight.layer)
     parallel.COMM.seconds += (t1 - t0) / 1e9          # the time this rank sat waiting for it
     parallel.COMM.calls += 1
     parallel.COMM.bytes += nbytes
@@ -141,7 +142,7 @@ def run_layers(model, input_ids: Tensor, positions: Tensor, attn, overlap: bool,
                 lane.settle(timeout_s, rec)
                 with rec.compute(f"{lane.mb.name} {half} L{i}", lane.mb.name, layer=i, tokens=lane.mb.num_tokens):
                     partial = run(layer, lane)
-                lane.pending = start_all_reduce(partial, f"{lane.mb.name} {half} L{i}")
+                lane.pending = start_all_reduce(partial, f"{lane.mb.name} {half} L{i}", i)
     for lane in lanes:
         lane.settle(timeout_s, rec)
     x = lanes[0].x if len(lanes) == 1 else torch.cat([lane.x for lane in lanes])
