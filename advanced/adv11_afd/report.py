@@ -26,8 +26,9 @@ def report(runs, args, dtype, cfg, ffn_counts) -> None:
     for name, t in afd.items():
         tls = t.result["timelines"]
         win, loops = window(tls), measured_loops(tls)
-        whole = " ".join(f"{busy_fraction(tl, ('compute',), win):.0%}" for tl in tls)
-        print(f"  {name:<16} whole run: rank 0 | FFN ranks {whole:<14} layer loops ({loops.seconds:.2f} s): "
+        ffn = ", ".join(f"{busy_fraction(tl, ('compute',), win):.0%}" for tl in tls[1:])
+        whole = f"rank 0 {busy_fraction(tls[0], ('compute',), win):.0%}, FFN {ffn}"
+        print(f"  {name:<16} whole run: {whole:<24} layer loops ({loops.seconds:.2f} s): "
               f"attention {loops.attention_busy:.0%}, busiest FFN rank {loops.ffn_busy:.0%}\n"
               f"  {'':<16} trace: {t.result['trace']}")
 
@@ -43,7 +44,7 @@ def report(runs, args, dtype, cfg, ffn_counts) -> None:
     print(f"  one decode step of {B} sequences: {step_bytes / 1024:.0f} KiB in {step_msgs} messages ({L} layers x 2) "
           f"with m = 1; m micro-batches: m x the messages, the same bytes")
     print(f"  measured exchange overhead on this machine (gloo over loopback): {1e6 * hop:.0f} us per layer "
-          f"(median round trip less the FFN's compute, {len(hop_samples(tls))} exchanges of the m=1 run)")
+          f"(mean round trip less the FFN's compute, {len(hop_samples(tls))} exchanges of the m=1 run)")
     print(f"  link model (computed, not measured): ms per decode step = bytes x 8 / bandwidth + messages x "
           f"{LATENCY_US:.0f} us")
     print(f"  {'':24}" + "".join(f"{f'{g} Gbit/s':>14}" for g in LINKS_GBIT))

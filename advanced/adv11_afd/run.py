@@ -12,7 +12,7 @@ import torch
 
 from minivllm_support.cli import base_parser
 from minivllm_support.models import chat_prompt_ids
-from minivllm_support.timeline import chrome_trace, validate_trace, write_chrome_trace
+from minivllm_support.timeline import Timeline, chrome_trace, draw_png, validate_trace, write_chrome_trace
 from minivllm_support.timing import compare
 from step04_transformer.start import start_lesson
 from step06_sampler.params import SamplingParams
@@ -29,11 +29,12 @@ def disaggregated(engine: AFDEngine, m: int, prompts, sp):
         engine.set_micro_batches(m)
         engine.collect_timelines()                       # drop what earlier runs recorded
         engine.traffic.reset()
+        steps = engine.runner.steps
         seqs = engine.generate(prompts, sp)
         t = engine.traffic
         return dict(outputs=[s.output_token_ids for s in seqs], timelines=engine.collect_timelines(),
                     traffic=dict(to_ffn=t.to_ffn, from_ffn=t.from_ffn, plan=t.plan, exchanges=t.exchanges,
-                                 layer_tokens=t.layer_tokens, steps=engine.runner.steps))
+                                 layer_tokens=t.layer_tokens, steps=engine.runner.steps - steps))
     return run
 
 
@@ -41,6 +42,19 @@ def trace_name(variant: str) -> str:
     """"AFD 1:2, m=2" -> "trace_1to2_m2.json"."""
     ratio, m = variant.split()[1].rstrip(","), variant.split("=")[1]
     return f"trace_{ratio.replace(':', 'to')}_m{m}.json"
+
+
+def one_decode_step(timelines: list[Timeline]) -> tuple[list[Timeline], int]:
+    """The same ranks with only the spans of one decode step (a step of the fewest tokens, from the
+    middle of those): readable, where the whole run is thousands of spans."""
+    tokens: dict[int, int] = {}
+    for s in timelines[0].spans:
+        if "kv_tokens" in s.args and s.args["layer"] == 0:
+            tokens[s.args["step"]] = tokens.get(s.args["step"], 0) + s.args["tokens"]
+    fewest = sorted(k for k, n in tokens.items() if n == min(tokens.values()))
+    k = fewest[len(fewest) // 2]
+    return [Timeline(tl.rank, tl.name, [s for s in tl.spans if s.args.get("step") == k], tl.offset_ns)
+            for tl in timelines], k
 
 
 def workload_prompts(tok, n: int) -> list[list[int]]:
@@ -90,6 +104,10 @@ def main() -> None:
             problems = validate_trace(chrome_trace(tls))
             t.result["trace"] = (write_chrome_trace(tls, args.out / trace_name(name))
                                  .as_posix() + ("" if not problems else f" (invalid: {problems[:2]})"))
+            few, k = one_decode_step(tls)
+            png = draw_png(few, args.out / trace_name(name).replace("trace_", "timeline_").replace(".json", ".png"),
+                           title=f"{name}: decode step {k}, one row per process")
+            t.result["trace"] += f", {png.as_posix()}"
     report(runs, args, dtype, model.config, ffn_counts)
 
 
