@@ -95,13 +95,13 @@ class LoRALinear(nn.Module):
             shrink = x @ self.lora_a.view(S * R, -1).t()          # [T, S*R]
             shrink = (shrink.view(-1, S, R) * m.onehot).view(-1, S * R)
             return y.add_(shrink @ self.lora_bt.view(S * R, -1))
-        xs = x.index_select(0, m.order)
+        xs = x.index_select(0, m.order)                           # rows grouped by slot
+        delta = torch.zeros(xs.shape[0], self.out_features, dtype=y.dtype)
         for slot, start, end in m.segments:                       # segments: one pair per adapter
             r = self.ranks[slot]
             if r:
-                delta = (xs[start:end] @ self.lora_a[slot, :r].t()) @ self.lora_bt[slot, :r]
-                y.index_add_(0, m.order[start:end], delta)
-        return y
+                torch.matmul(xs[start:end] @ self.lora_a[slot, :r].t(), self.lora_bt[slot, :r], out=delta[start:end])
+        return y.index_add_(0, m.order, delta)                    # back to the rows' places
 
 
 def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int
