@@ -194,8 +194,8 @@ def test_faulted_worker_is_a_clear_error_in_seconds(tiny_qwen3_dir, monkeypatch,
 
 @pytest.mark.slow
 def test_overlap_equals_tp_engine_and_one_process_on_smollm2(smol_dir, smol_fp32, smol_prompts, no_leftovers):
-    """The embedded model in fp32, TP=3 (its 9 heads split 3 ways): the overlap engine in both
-    schedules, lesson 17's TPEngine (gloo) and lesson 16's one-process engine give the same tokens."""
+    """The embedded model in fp32, TP=3 (its 9 heads split 3 ways): the overlap engine, lesson 17's
+    TPEngine (gloo) and lesson 16's one-process engine give the same tokens."""
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 16, 18, 10)]
     cfg = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=16, kv_cache_bytes=16 * 2**20)
     ref = [s.output_token_ids for s in build_engine(smol_fp32, cfg, use_graph=False).generate(smol_prompts, params)]
@@ -203,6 +203,42 @@ def test_overlap_equals_tp_engine_and_one_process_on_smollm2(smol_dir, smol_fp32
                   use_graph=False) as tp:
         assert [s.output_token_ids for s in tp.generate(smol_prompts, params)] == ref
     with OverlapEngine(smol_dir, cfg, tensor_parallel_size=3, dtype=torch.float32) as engine:
-        for overlap in (True, False):
-            engine.overlap = overlap
-            assert [s.output_token_ids for s in engine.generate(smol_prompts, params)] == ref, overlap
+        assert [s.output_token_ids for s in engine.generate(smol_prompts, params)] == ref
+
+
+# ---- across machines (two "nodes" on loopback, lesson 17's launch) -------------------------------
+@pytest.mark.slow
+def test_two_nodes_give_the_tokens_of_one_process_and_a_lesson17_node_is_refused(tiny_qwen3_dir, no_leftovers):
+    from step17_tensor_parallel.control import RendezvousError
+    from step17_tensor_parallel.launch import NodeLaunch
+    from tests.processes import free_port, gone, kill_tree, start_node
+
+    prompts = _prompts(512, (20, 17, 3))
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    cfg = _config(max_num_seqs=4, max_num_batched_tokens=16)
+    ref = [s.output_token_ids for s in build_engine(load_model(tiny_qwen3_dir, torch.float32), cfg, use_graph=False)
+           .generate(prompts, sp)]
+
+    def launch(port: int) -> NodeLaunch:
+        return NodeLaunch(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, rendezvous_timeout_s=20)
+    port = free_port()
+    node1 = start_node("advanced.adv09_overlap.node", tiny_qwen3_dir, port, "--tensor-parallel-size", "2")
+    try:
+        with OverlapEngine(tiny_qwen3_dir, cfg, tensor_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
+                           launch=launch(port)) as engine:
+            assert engine.workers == []                          # rank 1 lives on "node 1"
+            assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+            assert len(engine.collect_timelines()) == 6          # its rows come over the control socket
+        out = gone(node1)
+        assert node1.returncode == 0, out
+    finally:
+        kill_tree(node1)
+    port = free_port()
+    lesson17 = start_node("step17_tensor_parallel.node", tiny_qwen3_dir, port, "--tensor-parallel-size", "2")
+    try:
+        with pytest.raises(RendezvousError, match="two-batch overlap"):
+            OverlapEngine(tiny_qwen3_dir, cfg, tensor_parallel_size=2, dtype=torch.float32, launch=launch(port))
+        out = gone(lesson17)
+        assert lesson17.returncode == 2 and "refused by rank 0" in out, out
+    finally:
+        kill_tree(lesson17)
