@@ -36,16 +36,18 @@ IDLE_WAIT_S = 0.05          # an idle engine checks its pipe this often
 LOAD_WAIT_S = 0.002         # a decode engine with only loads in flight waits this long per look
 
 
-def parse_fault(fault: str) -> tuple[str, int] | None:
-    """"drop:R" (request R's last layer is never written), "exit-prefill:R" (the prefill process
-    dies after shipping request R's layer 0), "exit-decode:R" (the decode process dies when
-    request R gets its first token)."""
-    if not fault:
-        return None
-    kind, _, rid = fault.partition(":")
-    if kind not in FAULT_KINDS or not rid.isdigit():
-        raise ValueError(f"fault {fault!r}: expected one of {', '.join(k + ':<request>' for k in FAULT_KINDS)}")
-    return kind, int(rid)
+def parse_fault(fault: str) -> dict[str, int]:
+    """Injected faults, comma-separated: "drop:R" (request R's last layer is never written),
+    "exit-prefill:R" (the prefill process dies after shipping request R's layer 0),
+    "exit-decode:R" (the decode process dies when request R gets its first token)."""
+    faults = {}
+    for part in filter(None, fault.split(",")):
+        kind, _, rid = part.partition(":")
+        if kind not in FAULT_KINDS or not rid.isdigit() or kind in faults:
+            raise ValueError(f"fault {fault!r}: expected a comma-separated list of distinct "
+                             f"{', '.join(k + ':<request>' for k in FAULT_KINDS)}")
+        faults[kind] = int(rid)
+    return faults
 
 
 @dataclass
@@ -72,7 +74,7 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
         store = KVStore(spec.store_root) if spec.role != "colocated" else None
 
         def make_worker(pool, num_layers: int) -> StoreConnectorWorker:
-            drop = {(fault[1], num_layers - 1)} if fault and fault[0] == "drop" else set()
+            drop = {(fault["drop"], num_layers - 1)} if "drop" in fault else set()
             return StoreConnectorWorker(store, pool, num_layers, spec.transfer_timeout_s, drop, tl)
 
         send = conn.send
@@ -81,8 +83,8 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
         if on_start:
             extra["on_save_start"] = on_start
         engine = build_pd_engine(model, spec.role, config=spec.config, **extra)
-        if fault and fault[0] == "exit-prefill" and isinstance(engine, PrefillEngine):
-            arm_exit_after_layer0(engine, fault[1])
+        if "exit-prefill" in fault and isinstance(engine, PrefillEngine):
+            arm_exit_after_layer0(engine, fault["exit-prefill"])
         bm = engine.scheduler.block_manager
         conn.send(("ready", {"pid": os.getpid(), "num_blocks": bm.num_blocks, "block_size": bm.block_size}))
         loop = prefill_loop if isinstance(engine, PrefillEngine) else decode_loop
@@ -128,7 +130,7 @@ def common(msg, engine, conn: Connection, tl: Timeline) -> bool:
     return False
 
 
-def prefill_loop(engine: PrefillEngine, conn: Connection, tl: Timeline, fault) -> None:
+def prefill_loop(engine: PrefillEngine, conn: Connection, tl: Timeline, fault: dict[str, int]) -> None:
     rid_of: dict[int, int] = {}                 # seq id -> request id
     while True:
         for msg in messages(conn, 0 if engine.has_unfinished() else IDLE_WAIT_S):
@@ -147,7 +149,7 @@ def prefill_loop(engine: PrefillEngine, conn: Connection, tl: Timeline, fault) -
                 conn.send(("prefilled", rid_of.pop(seq.seq_id), seq.token_ids[-1], time.perf_counter()))
 
 
-def decode_loop(engine, conn: Connection, tl: Timeline, fault) -> None:
+def decode_loop(engine, conn: Connection, tl: Timeline, fault: dict[str, int]) -> None:
     """The decode engine's loop (the colocated engine runs it too: without loads)."""
     rid_of: dict[int, int] = {}
     is_decode = isinstance(engine, DecodeEngine)
@@ -182,7 +184,7 @@ def decode_loop(engine, conn: Connection, tl: Timeline, fault) -> None:
                 rid = rid_of[seq.seq_id]
                 facts = transfer_facts(engine, rid) if len(seq.output_token_ids) == 1 else None
                 out.append((rid, seq.token_ids[-1], seq.token_times[-1], seq.is_finished, facts))
-                if fault and fault[0] == "exit-decode" and rid == fault[1]:
+                if fault.get("exit-decode") == rid:
                     os._exit(3)                    # the injected crash: gone without a word
             if out:
                 conn.send(("tokens", out))
