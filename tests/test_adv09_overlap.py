@@ -121,6 +121,21 @@ def test_hidden_fraction_on_a_synthetic_timeline():
     assert set(per_rank) == {0, 1} and per_rank[0].hidden_ns == 18 and per_rank[1].comm_ns == 0
 
 
+def test_recorder_rows_and_bounded_memory(monkeypatch):
+    from advanced.adv09_overlap import recorder
+    monkeypatch.setattr(recorder, "MAX_SPANS_PER_ROW", 4)
+    rec = recorder.StepRecorder(1)
+    assert [tl.rank for tl in rec.rows] == [3, 4, 5]              # rank 1's three rows sort together
+    for step in range(10):
+        rec.begin_step(step, overlap=True)
+        with rec.compute("A attn L0", "A", layer=0):
+            pass
+        rec.add_all_reduce("B", "B attn L0", 0, 1, 8, 0)
+    assert len(rec.rows[0].spans) <= 5 and rec.rows[0].spans[-1].args["step"] == 9   # older half dropped
+    assert rec.rows[2].spans and not rec.rows[1].spans            # B's sums on B's row
+    assert rec.rows[0].spans[-1].args == {"mb": "A", "step": 9, "overlap": True, "layer": 0}
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 def _config(**kw) -> PagedSchedulerConfig:
     return PagedSchedulerConfig(block_size=4, kv_cache_bytes=2**20, **kw)

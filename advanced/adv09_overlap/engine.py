@@ -56,7 +56,7 @@ class OverlapRunner(TPRunner):
 
     def forward(self, batch: ScheduledBatch, input_ids, positions, attn):
         rec = self.recorder
-        rec.step, rec.overlap = self.steps, self.overlap
+        rec.begin_step(self.steps, self.overlap)
         self.steps += 1
         data = pack_step(StepHeader(rec.step, self.overlap),
                          StepMetadata.from_attention(input_ids, positions, attn, sampled_rows(batch)))

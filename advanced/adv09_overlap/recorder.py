@@ -20,17 +20,26 @@ from contextlib import AbstractContextManager, contextmanager
 from minivllm_support.timeline import Timeline
 
 ROWS_PER_RANK = 3
+# An engine nobody asks for its timeline (a server) must not grow without bound: past this many
+# spans a row drops its older half (about 600 steps of a 30-layer model split in two).
+MAX_SPANS_PER_ROW = 100_000
 
 
 class StepRecorder:
     def __init__(self, rank: int, enabled: bool = True):
         self.rank = rank
-        self.rows = [Timeline(ROWS_PER_RANK * rank, f"rank {rank}: compute", enabled=enabled),
-                     Timeline(ROWS_PER_RANK * rank + 1, f"rank {rank}: all-reduces of A (or of an unsplit step)",
-                              enabled=enabled),
-                     Timeline(ROWS_PER_RANK * rank + 2, f"rank {rank}: all-reduces of B", enabled=enabled)]
+        # An unsplit step's all-reduces go on A's row (it has no other micro-batch).
+        self.rows = [Timeline(ROWS_PER_RANK * rank + i, f"rank {rank}: {what}", enabled=enabled)
+                     for i, what in enumerate(("compute", "all-reduces A", "all-reduces B"))]
         self.step = 0               # set by the caller before each step: the same number on every rank
         self.overlap = False
+
+    def begin_step(self, step: int, overlap: bool) -> None:
+        """Stamp what follows with this step's number and schedule (the same on every rank)."""
+        self.step, self.overlap = step, overlap
+        for tl in self.rows:
+            if len(tl.spans) > MAX_SPANS_PER_ROW:
+                del tl.spans[:len(tl.spans) // 2]
 
     @property
     def compute_row(self) -> Timeline:

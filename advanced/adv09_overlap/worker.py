@@ -99,7 +99,7 @@ def serve(spec: OverlapSpec, conn: Connection, model, pool, backend) -> None:
                 time.sleep(3600)                    # stops answering: rank 0's collective times out
             raise RuntimeError(f"injected fault ({FAULT_ENV}={fault[0]}@{fault[1]})")
         head, meta = unpack_step(data)
-        rec.step, rec.overlap = head.step, head.overlap
+        rec.begin_step(head.step, head.overlap)
         hidden = run_layers(model, meta.input_ids, meta.positions, MetadataAttention(pool, meta, backend),
                             head.overlap, rec, spec.timeout_s)
         if len(meta.logit_rows):
