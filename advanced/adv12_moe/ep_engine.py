@@ -58,10 +58,12 @@ class EPEngine(Engine):
     def __init__(self, model: str | Path, scheduler: PagedSchedulerConfig | None = None, *,
                  expert_parallel_size: int = 2, placements: dict[int, Placement] | None = None,
                  dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None, timeout_s: float = 60.0,
-                 fast_path: bool = True, launch: NodeLaunch | None = None):
+                 fast_path: bool = True, router_bias: torch.Tensor | None = None, launch: NodeLaunch | None = None):
         """model: a Qwen3-MoE checkpoint folder. placements: {sparse layer: eplb.Placement}
         (rebalance_experts' output; default: static_placement). launch: where the ranks run
-        (lesson 17's NodeLaunch; default: this machine). fast_path: lesson 16's model transforms."""
+        (lesson 17's NodeLaunch; default: this machine). fast_path: lesson 16's model transforms.
+        router_bias: [sparse layers, E] added to the router logits on every rank (model.set_router_bias:
+        a skewed router for measurements)."""
         folder = check_model_dir(Path(model))
         cfg, ep = MoEConfig.from_pretrained(folder), expert_parallel_size
         if ep < 1:
@@ -93,8 +95,8 @@ class EPEngine(Engine):
                 ws.accept(run_flags(str(folder), dtype, ep, launch.nnodes))
                 parallel.init_group(ws.store, 0, ep, max(timeout_s, STARTUP_TIMEOUT_S))
                 for conn in self.conns:
-                    conn.send((placements_message(self.placements), cfg.num_experts))
-            model, weights = prepare_rank(str(folder), dtype, 0, ep, self.placements, fast_path)
+                    conn.send((placements_message(self.placements), cfg.num_experts, router_bias))
+            model, weights = prepare_rank(str(folder), dtype, 0, ep, self.placements, fast_path, router_bias)
             attention = choose_backend("auto", "cpu")
             config = fit_block_size(scheduler or PagedSchedulerConfig(), attention)
             pool = create_kv_pool(model, config, attention)

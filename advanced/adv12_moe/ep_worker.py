@@ -2,7 +2,7 @@
 and lesson 17's loop: run whatever step rank 0 describes.
 
     worker: dial the store, then rank 0's control socket, join the process group (lesson 17's join_rank0)
-    rank 0 --control--> worker: the expert placement (once), the pool spec (once), then one
+    rank 0 --control--> worker: the expert placement and the router bias (once), the pool spec (once), then one
                                 StepMetadata per step, b"" to stop
     worker --control--> rank 0: ("ready", facts) once, or ("error", traceback) before it exits
     all ranks <-gloo-> the dispatch and combine inside every sparse layer (ep.py)
@@ -18,7 +18,7 @@ import socket
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from step15_flash_attention.backends import choose_backend
 from step16_cuda_graph.cpu.engine import cpu_fast_path
@@ -27,7 +27,7 @@ from step17_tensor_parallel.metadata import MetadataAttention, StepMetadata
 from step17_tensor_parallel.worker import join_rank0, model_bytes, worker_exit
 from advanced.adv12_moe.eplb import Placement, placement_from_map
 from advanced.adv12_moe.ep import ExpertParallel
-from advanced.adv12_moe.model import load_moe_model, moe_layers
+from advanced.adv12_moe.model import load_moe_model, moe_layers, set_router_bias
 
 STARTUP_TIMEOUT_S = 120.0    # a busy machine may take long to start every process and join
 
@@ -71,7 +71,7 @@ def placements_from_message(msg: dict, num_experts: int) -> dict[int, Placement]
 
 
 def prepare_rank(folder: str, dtype: torch.dtype, rank: int, world: int, placements: dict[int, Placement],
-                 fast_path: bool = True) -> tuple[nn.Module, int]:
+                 fast_path: bool = True, router_bias: Tensor | None = None) -> tuple[nn.Module, int]:
     """This rank's model, as the single-process engine runs it (lesson 16's fast-path transforms),
     holding only its experts, with the expert-parallel path in every sparse layer (with one
     rank: every expert, moe.py's local path)."""
@@ -79,6 +79,7 @@ def prepare_rank(folder: str, dtype: torch.dtype, rank: int, world: int, placeme
     weights = model_bytes(model)
     if fast_path:
         model = cpu_fast_path(model)
+    set_router_bias(model, router_bias)     # the same on every rank: each routes every token
     if world > 1:
         path = ExpertParallel(rank, world, placements)
         for m in moe_layers(model):         # on the transformed model: it has its own module objects
@@ -94,9 +95,10 @@ def ep_worker_main(spec: EPWorkerSpec) -> None:
         _, conn = join_rank0(spec.rank, spec.world, spec.port, spec.master_addr, spec.flags(), spec.who(),
                              spec.rendezvous_timeout_s, max(spec.timeout_s, STARTUP_TIMEOUT_S))
         state.conn = conn
-        placements_msg, num_experts = conn.recv()
+        placements_msg, num_experts, router_bias = conn.recv()
         placements = placements_from_message(placements_msg, num_experts)
-        model, weights = prepare_rank(spec.folder, spec.dtype, spec.rank, spec.world, placements, spec.fast_path)
+        model, weights = prepare_rank(spec.folder, spec.dtype, spec.rank, spec.world, placements, spec.fast_path,
+                                      router_bias)
         num_blocks, block_size, backend_name = conn.recv()
         backend = choose_backend(backend_name)
         pool = backend.pool_class(model.config, num_blocks, block_size, spec.dtype)

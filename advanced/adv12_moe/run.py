@@ -1,0 +1,159 @@
+"""Advanced lesson 12: a small Qwen3-MoE (random weights, built with transformers) through the
+engine: throughput, tokens routed to each expert, balancedness per rank before and after EPLB
+and how it drifts on another workload, and expert parallel over --ep processes against one."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from minivllm_support.cli import DTYPES, identity_line, machine, resolve_dtype_name
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from advanced.adv12_moe.config import MoEConfig
+from advanced.adv12_moe.ep import EP_COMM
+from advanced.adv12_moe.ep_engine import EPEngine
+from advanced.adv12_moe.eplb import Placement, balancedness, rebalance_experts, static_placement
+from advanced.adv12_moe.model import routing_counts
+from advanced.adv12_moe.tiny import build_tiny_moe
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=None, help="a Qwen3-MoE checkpoint folder (default: a small one with random "
+                   "weights, built with transformers into --out)")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="bf16 / fp32 (auto: what the CPU "
+                   "computes natively)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each engine after one warm-up")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel processes")
+    p.add_argument("--spare-slots", type=int, default=2, help="physical expert slots per rank beyond E / ep: "
+                   "room for EPLB's replicas")
+    p.add_argument("--skew", type=float, default=0.5, help="std of the random bias added to every router's logits "
+                   "(0: the model's own routing)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--out", default="build/adv12", help="where the default model is built")
+    return p.parse_args()
+
+
+def small_moe(out: Path) -> Path:
+    """16 experts, 4 per token, 4 sparse layers, hidden 256: 15 M parameters, random (seed 0)."""
+    folder = out / "small-moe"
+    if not (folder / "config.json").is_file():
+        build_tiny_moe(folder, vocab_size=4096, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=16,
+                       num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=1024)
+    return folder
+
+
+def workload(vocab: int, half: int, n: int, length: int, seed: int) -> list[list[int]]:
+    """n prompts of random token ids from one half of the vocabulary (0: lower, 1: upper)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (3, vocab // 2) if half == 0 else (vocab // 2, vocab)
+    return [torch.randint(lo, hi, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def timed(engine: EPEngine, prompts, sp, repeats: int) -> tuple[list[float], int, list[list[int]]]:
+    """(seconds of each timed run, engine steps of one run, outputs); one untimed warm-up first."""
+    engine.generate(prompts, sp)
+    seconds, outputs, steps = [], None, 0
+    for _ in range(repeats):
+        before = engine.num_steps
+        t0 = time.perf_counter()
+        outputs = [s.output_token_ids for s in engine.generate(prompts, sp)]
+        seconds.append(time.perf_counter() - t0)
+        steps = engine.num_steps - before
+    return seconds, steps, outputs
+
+
+def loads_line(name: str, placements: dict[int, Placement], counts: torch.Tensor, layers: list[int]) -> str:
+    per_layer = [balancedness(placements[layer].rank_loads(counts[i])) for i, layer in enumerate(layers)]
+    return f"  {name:<44} " + " ".join(f"{b:6.3f}" for b in per_layer) + f"   mean {sum(per_layer) / len(per_layer):.3f}"
+
+
+def main() -> None:
+    args = parse()
+    torch.set_grad_enabled(False)
+    dtype = DTYPES[resolve_dtype_name(args.dtype)]
+    folder = Path(args.model) if args.model else small_moe(Path(args.out))
+    cfg = MoEConfig.from_pretrained(folder)
+    layers, E, R = cfg.sparse_layers, cfg.num_experts, args.ep
+    bias = torch.randn(len(layers), E, generator=torch.Generator().manual_seed(7)) * args.skew if args.skew else None
+    print(f"machine: {machine()}")
+    print(f"model: {folder} ({'random weights, ' if not args.model else ''}{dtype}): {cfg.num_layers} layers, "
+          f"sparse {layers}, {E} experts, {cfg.num_experts_per_tok} per token, expert inner size "
+          f"{cfg.moe_intermediate_size}; router skew: N(0, {args.skew}) bias on the logits (seed 7)")
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    sets = {name: workload(cfg.vocab_size, half, args.requests, args.prompt_len, 1 + half)
+            for half, name in enumerate(("A", "B"))}
+    print(f"workloads: {args.requests} prompts of {args.prompt_len} random token ids, {args.max_tokens} greedy "
+          f"tokens each; A from the lower half of the vocabulary, B from the upper half\n")
+    sched = PagedSchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=256, kv_cache_bytes=64 << 20)
+
+    # 1. one process: throughput and routing counts on both workloads
+    counts = {}
+    with EPEngine(folder, sched, expert_parallel_size=1, dtype=dtype, router_bias=bias) as one:
+        for name, prompts in sets.items():
+            before = routing_counts(one.model)
+            t0 = time.perf_counter()
+            one.generate(prompts, sp)
+            wall = time.perf_counter() - t0
+            counts[name] = routing_counts(one.model) - before
+            print(f"one process, workload {name}: {args.requests * args.max_tokens / wall:.0f} generated tok/s "
+                  f"({wall:.2f} s, first run)")
+        one_time, one_steps, ref = timed(one, sets["A"], sp, args.repeats)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)                 # what each expert-parallel rank gets on 2 cores
+        one_thread_time, _, _ = timed(one, sets["A"], sp, args.repeats)
+        torch.set_num_threads(threads)
+    print("\ntokens routed to each expert (workload A, every (token, slot) pair of prompts and decodes):")
+    for i, layer in enumerate(layers):
+        print(f"  layer {layer}: " + " ".join(f"{int(c):5d}" for c in counts["A"][i]))
+
+    # 2. EPLB on the counts: placements for R ranks, balancedness (mean / max load per rank) per layer
+    slots = E + R * args.spare_slots
+    static = {layer: static_placement(E, R) for layer in layers}
+    eplb = {name: {layer: rebalance_experts(c[i], slots, R) for i, layer in enumerate(layers)}
+            for name, c in counts.items()}
+    print(f"\nbalancedness over {R} ranks (mean / max tokens per rank; 1.0 = even), per sparse layer, from the "
+          f"counts above:")
+    print(loads_line("A: static (E/R experts per rank, in order)", static, counts["A"], layers))
+    print(loads_line(f"A: EPLB fitted on A ({slots} slots)", eplb["A"], counts["A"], layers))
+    print(loads_line("B: static", static, counts["B"], layers))
+    print(loads_line("B: EPLB fitted on A (the workload changed)", eplb["A"], counts["B"], layers))
+    print(loads_line("B: EPLB fitted on B (rebalanced)", eplb["B"], counts["B"], layers))
+    replicas = [int(c) for c in eplb["A"][layers[0]].replica_counts]
+    print(f"  layer {layers[0]}, EPLB on A: replicas per expert {replicas}")
+
+    # 3. expert parallel: R processes against one, static and EPLB placements
+    print(f"\nexpert parallel, workload A ({args.repeats} timed runs after a warm-up; one engine at a time):")
+    print(f"  {'engine':<28} {'wall s (runs)':<22} {'ms/step':>8} {'all-to-all ms/step':>19}  measured balancedness")
+    for name, times in ((f"one process, {threads} threads", one_time), ("one process, 1 thread", one_thread_time)):
+        ms = 1e3 * min(times) / one_steps
+        print(f"  {name:<28} {' '.join(f'{s:.2f}' for s in times):<22} {ms:8.1f} {'-':>19}  -")
+    same = total = 0
+    for name, placements in (("static", static), ("EPLB (fitted on A)", eplb["A"])):
+        with EPEngine(folder, sched, expert_parallel_size=R, placements=placements, dtype=dtype,
+                      router_bias=bias) as ep:
+            EP_COMM.reset()
+            path = next(m.expert_path for m in ep.model.modules() if hasattr(m, "expert_path"))
+            for rows in path.rows_per_rank.values():
+                rows.zero_()
+            seconds, steps, outputs = timed(ep, sets["A"], sp, args.repeats)
+            a2a_ms = 1e3 * EP_COMM.seconds / ((args.repeats + 1) * steps)
+            measured = [balancedness(r) for r in path.rows_per_rank.values()]
+        same += sum(o == r for o, r in zip(outputs, ref))
+        total += len(ref)
+        ms = 1e3 * min(seconds) / steps
+        print(f"  {f'EP={R}, {name}':<28} {' '.join(f'{s:.2f}' for s in seconds):<22} {ms:8.1f} {a2a_ms:19.1f}  "
+              + " ".join(f"{b:.3f}" for b in measured))
+    print("  (ms/step: the fastest run's wall time over its engine steps; all-to-all: rank 0's time in the dispatch,"
+          "\n   combine and all-gather collectives; measured balancedness: rows each rank's experts computed, per layer)")
+    print(identity_line(f"outputs, EP={R} vs one process", same, total, dtype))
+
+
+if __name__ == "__main__":
+    main()
