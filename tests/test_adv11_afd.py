@@ -203,19 +203,19 @@ def test_bad_arguments_are_refused_before_any_process(tiny4, no_leftovers):
 
 # ---- slow: the embedded model, two FFN processes, the other faults -----------------------------
 @pytest.mark.slow
-def test_afd_on_smollm2_one_and_two_ffn_processes(smol_dir, smol_fp32, smol_prompts, no_leftovers):
+def test_afd_on_smollm2_two_ffn_processes_one_and_two_micro_batches(smol_dir, smol_fp32, smol_prompts, no_leftovers):
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 16, 18, 10)]
     cfg = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=16, kv_cache_bytes=64 * 2**20)
     ref = [s.output_token_ids for s in build_engine(smol_fp32, cfg, use_graph=False).generate(smol_prompts, params)]
     assert any(len(r) < sp.max_tokens for r, sp in zip(ref, params))              # some stop at EOS
-    for n_ffn, m in ((1, 2), (2, 2)):
-        with AFDEngine(smol_dir, cfg, num_ffn=n_ffn, num_micro_batches=m, dtype=torch.float32) as engine:
-            assert [s.output_token_ids for s in engine.generate(smol_prompts, params)] == ref, (n_ffn, m)
+    with AFDEngine(smol_dir, cfg, num_ffn=2, dtype=torch.float32) as engine:
+        mem = [r["weight_bytes"] for r in engine.rank_memory]
+        assert mem[0] + mem[1] == model_bytes(smol_fp32) and mem[1] == mem[2]      # FFN ranks: replicas
+        for m, served in ((2, [{0}, {1}]), (1, [{0}, set()])):                    # micro-batch i -> 1 + i % 2
+            engine.set_micro_batches(m)
+            assert [s.output_token_ids for s in engine.generate(smol_prompts, params)] == ref, m
             tls = engine.collect_timelines()
-            mem = [r["weight_bytes"] for r in engine.rank_memory]
-            assert mem[0] + mem[1] == model_bytes(smol_fp32) and len(set(mem[1:])) == 1   # FFN ranks: replicas
-            served = [{s.args["micro_batch"] for s in tl.spans if s.cat == "compute"} for tl in tls[1:]]
-            assert served == ([{0, 1}] if n_ffn == 1 else [{0}, {1}])                    # micro-batch i -> 1 + i % n
+            assert [{s.args["micro_batch"] for s in tl.spans if s.cat == "compute"} for tl in tls[1:]] == served
             assert validate_trace(chrome_trace(tls)) == []
 
 
