@@ -86,7 +86,7 @@ def test_loader_is_strict_and_reads_only_held_experts(tmp_path, tiny_moe):
     load_moe_model(bad, torch.float32, held=lambda layer: [0, 1])      # a rank without expert 3 does not need it
 
 
-def test_engine_tokens_equal_hf_generate(tiny_moe):
+def test_engine_tokens_equal_hf_generate(tiny_moe, one_thread):
     """Lesson 16's engine (paged KV, 4 sequences batched, prompts chunked by 16 tokens) on the MoE model."""
     from transformers import Qwen3MoeForCausalLM
     hf = Qwen3MoeForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
@@ -146,15 +146,17 @@ def test_bad_placements_are_clear_errors(call, message):
 
 # ---- expert parallel ----------------------------------------------------------------------------
 def test_ep2_with_replicated_experts_equals_one_process(tiny_moe, no_leftovers):
-    """EP=2 over gloo (fp32), an EPLB placement with hot experts replicated, against EP=1."""
+    """EP=2 over gloo (fp32), a skewed router (its bias sent to every rank), an EPLB placement with
+    the hot experts replicated, against EP=1 (the single-process engine)."""
     prompts = _prompts(256, (5, 30, 17, 9, 1))
-    with EPEngine(tiny_moe, CFG, expert_parallel_size=1, dtype=torch.float32) as one:
+    bias = torch.randn(2, 8, generator=torch.Generator().manual_seed(3))
+    with EPEngine(tiny_moe, CFG, expert_parallel_size=1, dtype=torch.float32, router_bias=bias) as one:
         ref = [s.output_token_ids for s in one.generate(prompts, GREEDY)]
         counts = routing_counts(one.model)
     placements = {layer: rebalance_experts(counts[i], 12, 2) for i, layer in enumerate([0, 2])}
     assert any(int(p.replica_counts.max()) > 1 for p in placements.values())
     with EPEngine(tiny_moe, CFG, expert_parallel_size=2, placements=placements, dtype=torch.float32,
-                  timeout_s=30) as engine:
+                  router_bias=bias, timeout_s=30) as engine:
         assert [s.output_token_ids for s in engine.generate(prompts, GREEDY)] == ref
         assert all(sorted(m.experts) == [str(e) for e in placements[m.layer_idx].held_by(0)]
                    for m in moe_layers(engine.model))                   # rank 0 holds only its experts
