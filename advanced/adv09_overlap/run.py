@@ -113,7 +113,8 @@ def explain(name: str, r: dict, layers: int) -> None:
     halves = 2 * layers
     print(f"{name:<28}{c_full:8.0f} us {r_full:8.0f} us | {c_mb:8.0f} us {r_mb:8.0f} us {100 * o.hidden_fraction:6.0f}%"
           f"  {p.wait_ns / 1e6 / r['steps']:6.1f} -> {o.wait_ns / 1e6 / r['steps']:5.1f} ms"
-          f"  {halves * plain_us / 1e3:6.1f} -> {halves * over_us / 1e3:5.1f} ms")
+          f"  {halves * plain_us / 1e3:6.1f} -> {halves * over_us / 1e3:6.1f} ms"
+          f"  {'yes' if (over_us < plain_us) == (r['overlap'] < r['plain']) else 'no'}")
 
 
 def zoom(timelines: list[Timeline], step: int, layers: range) -> list[Timeline]:
@@ -140,10 +141,11 @@ def main() -> None:
     seqs, length = (int(x) for x in args.prefill.split("x"))
     config = PagedSchedulerConfig(max_num_seqs=max(args.large, seqs, 8), max_num_batched_tokens=max(512, seqs * length),
                                   kv_cache_bytes=256 * 2**20 // tp)
-    threads = max(1, (args.threads or os.cpu_count() or 1) // tp)
+    launch = launch_from_args(args)
+    threads = max(1, (args.threads or os.cpu_count() or 1) // len(launch.local_ranks(tp)))   # this machine's ranks
     prompts = [chat_prompt_ids(tok, q) for q in QUESTIONS]
     with OverlapEngine(folder, config, tensor_parallel_size=tp, dtype=dtype, threads_per_rank=threads,
-                       launch=launch_from_args(args)) as engine:
+                       launch=launch) as engine:
         print(f"TP={tp}: {tp} processes, {threads} torch thread(s) each, all-reduces through gloo "
               f"({cfg.num_layers} layers: {2 * cfg.num_layers} all-reduces of [tokens, {cfg.hidden_size}] per step "
               f"and micro-batch)\n")
@@ -166,7 +168,7 @@ def main() -> None:
           f"r: an all-reduce, start to sum; ' = per micro-batch);\nthe model (measure.py): plain = c + r, "
           f"overlap = max(2 c', c' + r'), times {2 * cfg.num_layers} half layers:")
     print(f"{'':<28}{'plain: c':>11} {'r':>11} | {'overlap: c':>11} {'r':>11} {'hidden':>7}  "
-          f"{'waited/step':>15}  {'model/step':>15}")
+          f"{'waited/step':>15}  {'model, layers/step':>19}  same sign as measured")
     for name, r in results.items():
         explain(name, r, cfg.num_layers)
     write_figures(trace_tls, trace_steps, args.out, args.large)
