@@ -188,3 +188,54 @@ def test_bad_engine_arguments_fail_before_any_process(tiny_moe, no_leftovers):
         EPEngine(tiny_moe, CFG, expert_parallel_size=2, placements={0: static_placement(8, 2)})
     with pytest.raises(ValueError, match="for 4 ranks"):
         EPEngine(tiny_moe, CFG, expert_parallel_size=2, placements={0: static_placement(8, 4), 2: static_placement(8, 4)})
+
+
+def _one_process(folder, prompts) -> list[list[int]]:
+    engine = build_moe_engine(load_moe_model(folder, torch.float32), CFG)
+    return [s.output_token_ids for s in engine.generate(prompts, GREEDY)]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_give_the_tokens_of_one_process(tiny_moe, capsys, no_leftovers):
+    """Rank 1 on "node 1": `python -m advanced.adv12_moe.node`, its own process tree, lesson 17's flags."""
+    from step17_tensor_parallel.launch import NodeLaunch
+    from tests.processes import free_port, gone, kill_tree, start_node
+    prompts = _prompts(256, (12, 3, 20))
+    ref = _one_process(tiny_moe, prompts)
+    port = free_port()
+    node1 = start_node("advanced.adv12_moe.node", tiny_moe, port, "--expert-parallel-size", "2")
+    try:
+        launch = NodeLaunch(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, rendezvous_timeout_s=30)
+        with EPEngine(tiny_moe, CFG, expert_parallel_size=2, dtype=torch.float32, threads_per_rank=1,
+                      launch=launch) as engine:
+            assert engine.workers == []                        # rank 1 lives on "node 1"
+            assert [s.output_token_ids for s in engine.generate(prompts, GREEDY)] == ref
+        assert "ranks per node: {0: [0], 1: [1]}" in capsys.readouterr().out
+        out = gone(node1)
+        assert node1.returncode == 0, out
+    finally:
+        kill_tree(node1)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys, torch
+from step06_sampler.params import SamplingParams
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from advanced.adv12_moe.ep_engine import EPEngine
+from advanced.adv12_moe.node import run_torchrun_ep_worker
+folder = sys.argv[1]
+run_torchrun_ep_worker(folder, 2, torch.float32)            # rank 1: be an expert-parallel worker, then exit here
+config = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=4, kv_cache_bytes=2**20)
+with EPEngine(folder, config, expert_parallel_size=2, dtype=torch.float32, threads_per_rank=1) as engine:
+    outs = engine.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+print("TOKENS", json.dumps([s.output_token_ids for s in outs]))
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_on_loopback(tiny_moe, tmp_path, no_leftovers):
+    """`torchrun --nnodes 2 --nproc-per-node 1`: rank 0 builds the EPEngine from torchrun's environment."""
+    import json
+    from tests.processes import torchrun_tokens
+    prompts = _prompts(256, (12, 3, 20))
+    assert torchrun_tokens(tmp_path, TORCHRUN_SCRIPT, str(tiny_moe), json.dumps(prompts)) == _one_process(tiny_moe, prompts)

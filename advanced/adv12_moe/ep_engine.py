@@ -1,7 +1,7 @@
 """Lesson 16's MoE engine over `expert_parallel_size` processes, each holding some experts.
 
-    user process = rank 0                              ranks 1 .. ep-1 (spawned by rank 0 or by a
-    scheduler, block manager, sequences, sampler       headless node: node.py)
+    user process = rank 0                              ranks 1 .. ep-1 (spawned by rank 0, by a
+    scheduler, block manager, sequences, sampler       headless node, or by torchrun: node.py)
     the model but only its experts, a whole KV pool    the same, with their experts
     start:   lesson 17's rendezvous (WorkerSet): every rank dials in with the same flags,
              receives the placement (which physical expert slots it holds), loads, says ready
@@ -32,7 +32,7 @@ from step15_flash_attention.engine import Engine, create_kv_pool, create_schedul
 from step16_cuda_graph.cpu.engine import KernelSampler
 from step17_tensor_parallel import parallel
 from step17_tensor_parallel.engine import TPRunner, _release
-from step17_tensor_parallel.launch import NodeLaunch
+from step17_tensor_parallel.launch import NodeLaunch, check_torchrun_world
 from step17_tensor_parallel.workers import WorkerFailed, WorkerSet
 from advanced.adv12_moe.config import MoEConfig
 from advanced.adv12_moe.eplb import Placement, static_placement
@@ -71,10 +71,12 @@ class EPEngine(Engine):
         self.placements = check_placements(cfg, ep, placements)       # before any process starts
         if ep > 1 and dist.is_initialized():
             raise RuntimeError("this process already runs a process group (a TP, PP or EP engine): close() it first")
-        self.launch = launch = launch or NodeLaunch()
-        if ep > 1 and (launch.node_rank != 0 or launch.torchrun):
-            raise ValueError("the engine runs on node 0 and spawns or admits the other ranks itself "
-                             "(node.py on the other machines); torchrun is not supported by this lesson")
+        self.launch = launch = launch or NodeLaunch.from_env() or NodeLaunch()
+        if ep > 1 and launch.torchrun:
+            check_torchrun_world(ep, f"expert_parallel_size={ep}")
+        if ep > 1 and launch.node_rank != 0:
+            raise ValueError(f"the engine runs on node 0; node {launch.node_rank} runs its ranks headless: "
+                             f"python -m advanced.adv12_moe.node --node-rank {launch.node_rank} ...")
         self.ep, self.timeout_s, self.closed = ep, timeout_s, False
         self.workers, self.conns, self.rank_memory = [], [], []
         self._threads_before = torch.get_num_threads()
@@ -93,6 +95,9 @@ class EPEngine(Engine):
                 self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, None,
                                                    self._threads_before)
                 ws.accept(run_flags(str(folder), dtype, ep, launch.nnodes))
+                if launch.multi_node or launch.torchrun:
+                    nodes = {n: [r for r in range(ep) if launch.node_of(r, ep) == n] for n in range(launch.nnodes)}
+                    print(f"[minivllm] all {ep} expert-parallel ranks joined; ranks per node: {nodes}", flush=True)
                 parallel.init_group(ws.store, 0, ep, max(timeout_s, STARTUP_TIMEOUT_S))
                 for conn in self.conns:
                     conn.send((placements_message(self.placements), cfg.num_experts, router_bias))
