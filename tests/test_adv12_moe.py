@@ -119,8 +119,12 @@ def test_rebalance_experts_maps_are_valid(data):
     assert torch.equal(torch.bincount(p.rank_of(torch.arange(len(p2l))), minlength=ranks),
                        torch.full((ranks,), per_rank))
     assert abs(float(p.rank_loads(load).sum()) - float(load.sum())) < 1e-6 * (1 + float(load.sum()))
-    ids = torch.randint(0, experts, (7, min(2, experts)))
-    assert (p2l[p.choose_replicas(ids)] == ids).all()               # a replica runs the expert chosen
+    ids = torch.randint(0, experts, (data.draw(st.integers(0, 40)), min(2, experts)))
+    chosen = p.choose_replicas(ids)
+    assert (p2l[chosen] == ids).all()                               # a replica runs the expert chosen
+    for e in range(experts):                                        # and they share its pairs evenly
+        per_replica = [int((chosen == slot).sum()) for slot in l2p[e][:counts[e]]]
+        assert max(per_replica) - min(per_replica) <= 1
 
 
 def test_rebalance_replicates_the_hot_expert_and_balances():

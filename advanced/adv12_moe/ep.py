@@ -72,10 +72,10 @@ class ExpertParallel:
 
     def __call__(self, moe: SparseMoE, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         p, (T, k) = self.placements[moe.layer_idx], ids.shape
-        self.rows_per_rank[moe.layer_idx] += torch.bincount(p.rank_of(p.choose_replicas(ids)).reshape(-1),
-                                                            minlength=self.world)
+        all_slots = p.choose_replicas(ids)                     # the whole step's: the same on every rank
+        self.rows_per_rank[moe.layer_idx] += torch.bincount(p.rank_of(all_slots).reshape(-1), minlength=self.world)
         lo, hi = shard(T, self.rank, self.world)
-        slots = p.choose_replicas(ids[lo:hi], first_pair=lo * k).reshape(-1)
+        slots = all_slots[lo:hi].reshape(-1)
         order = torch.argsort(slots, stable=True)              # my pairs, slot by slot
         send = torch.bincount(p.rank_of(slots), minlength=self.world)
         recv = all_to_all(send, [1] * self.world, [1] * self.world, "row counts")

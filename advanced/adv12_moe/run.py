@@ -12,6 +12,7 @@ import torch
 from minivllm_support.cli import DTYPES, identity_line, machine, resolve_dtype_name
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step17_tensor_parallel.launch import add_launch_flags, launch_from_args
 from advanced.adv12_moe.config import MoEConfig
 from advanced.adv12_moe.ep import EP_COMM
 from advanced.adv12_moe.ep_engine import EPEngine
@@ -36,6 +37,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--out", default="build/adv12", help="where the default model is built")
+    add_launch_flags(p, "python -m advanced.adv12_moe.node")
     return p.parse_args()
 
 
@@ -135,9 +137,13 @@ def main() -> None:
         ms = 1e3 * min(times) / one_steps
         print(f"  {name:<28} {' '.join(f'{s:.2f}' for s in times):<22} {ms:8.1f} {'-':>19}  -")
     same = total = 0
-    for name, placements in (("static", static), ("EPLB (fitted on A)", eplb["A"])):
+    launch = launch_from_args(args)
+    variants = [("static", static), ("EPLB (fitted on A)", eplb["A"])]
+    if launch.multi_node:       # a headless node serves one engine, then exits: run the EPLB one only
+        variants = variants[1:]
+    for name, placements in variants:
         with EPEngine(folder, sched, expert_parallel_size=R, placements=placements, dtype=dtype,
-                      router_bias=bias) as ep:
+                      router_bias=bias, launch=launch) as ep:
             EP_COMM.reset()
             path = next(m.expert_path for m in ep.model.modules() if hasattr(m, "expert_path"))
             for rows in path.rows_per_rank.values():
