@@ -24,7 +24,7 @@ from step16_cuda_graph.cpu.engine import build_engine
 from step17_tensor_parallel.launch import NodeLaunch
 from step17_tensor_parallel.worker import model_bytes
 from step17_tensor_parallel.workers import WorkerFailed
-from advanced.adv11_afd.costmodel import (LayerCost, StepShape, balanced_ratio, fit_attention, fit_ffn,
+from advanced.adv11_afd.costmodel import (LayerCost, StepShape, balanced_ratio, fit_attention, fit_ffn, fit_hop,
                                           fit_nonnegative, layer_times, measured_loops, predict_loops, step_shapes)
 from advanced.adv11_afd.engine import AFDEngine
 from advanced.adv11_afd.ffn_worker import FAULT_ENV
@@ -106,8 +106,10 @@ def test_split_batch_edge_cases_and_the_plan():
 
 
 # ---- the cost model on synthetic numbers --------------------------------------------------------
-def _synthetic(attn: LayerCost, ffn: LayerCost, steps: list[list[tuple[int, int]]], layers: int = 3):
-    """Timelines whose spans last exactly what the given costs say, laid out as m = 1 runs them."""
+def _synthetic(attn: LayerCost, ffn: LayerCost, steps: list[list[tuple[int, int]]], layers: int = 3,
+               hop_ns: int = 0):
+    """Timelines whose spans last exactly what the given costs say, laid out as m = 1 runs them:
+    attention, then the exchange (hop_ns of transfers around the FFN's compute), then the next layer."""
     t, r0, r1 = 0, Timeline(0), Timeline(1)
     for k, mbs in enumerate(steps):
         for layer in range(layers):
@@ -115,28 +117,31 @@ def _synthetic(attn: LayerCost, ffn: LayerCost, steps: list[list[tuple[int, int]
                 a, f = int(attn(tok, kv) * 1e9), int(ffn(tok) * 1e9)
                 r0.spans.append(Span("attn", "compute", t, t + a, dict(step=k, layer=layer, micro_batch=i, tokens=tok,
                                                                     kv_tokens=kv)))
-                r1.spans.append(Span("ffn", "compute", t + a, t + a + f, dict(step=k, layer=layer, micro_batch=i,
-                                                                             tokens=tok)))
-                r0.spans.append(Span("wait FFN", "recv", t + a, t + a + f, dict(step=k, layer=layer, micro_batch=i,
-                                                                                round_trip_us=f / 1e3)))
-                t += a + f
+                r1.spans.append(Span("ffn", "compute", t + a + hop_ns // 2, t + a + hop_ns // 2 + f,
+                                     dict(step=k, layer=layer, micro_batch=i, tokens=tok)))
+                r0.spans.append(Span("wait FFN", "recv", t + a, t + a + f + hop_ns,
+                                     dict(step=k, layer=layer, micro_batch=i, round_trip_us=(f + hop_ns) / 1e3)))
+                t += a + f + hop_ns
     return [r0, r1]
 
 
 def test_cost_model_recovers_known_costs_and_predicts_the_balance():
     attn, ffn = LayerCost(20e-6, 5e-6, 10e-9), LayerCost(50e-6, 15e-6)
     steps = [[(40, 40)], [(8, 400)], [(8, 1200)], [(16, 3000)], [(3, 90)], [(25, 700)]]
-    tls = _synthetic(attn, ffn, steps)
-    fa, ff = fit_attention(tls[0]), fit_ffn(tls)
+    tls = _synthetic(attn, ffn, steps, hop_ns=300_000)
+    fa, ff, hop = fit_attention(tls[0]), fit_ffn(tls), fit_hop(tls)
+    assert hop == pytest.approx(300e-6, rel=1e-3)
     for got, want in ((fa, attn), (ff, ffn)):
         assert got.fixed_s == pytest.approx(want.fixed_s, rel=1e-3, abs=1e-8)
         assert got.per_token_s == pytest.approx(want.per_token_s, rel=1e-3)
         assert got.per_kv_token_s == pytest.approx(want.per_kv_token_s, rel=1e-3, abs=1e-12)
     shapes = step_shapes(tls[0])
     assert [s.micro_batches for s in shapes] == steps and all(s.layers == 3 for s in shapes)
-    pred, meas = predict_loops(shapes, fa, ff, 0.0, 1), measured_loops(tls)
+    pred, meas = predict_loops(shapes, fa, ff, hop, 1), measured_loops(tls)
     assert pred.seconds == pytest.approx(meas.seconds, rel=1e-3)           # m = 1: each side waits for the other
-    assert pred.attention_busy + pred.ffn_busy == pytest.approx(1.0, rel=1e-3)
+    assert pred.attention_busy == pytest.approx(meas.attention_busy, rel=1e-3)
+    assert pred.ffn_busy == pytest.approx(meas.ffn_busy, rel=1e-3)
+    assert pred.attention_busy + pred.ffn_busy < 1                         # the exchanges: nobody computes
     # Balance: attention time / FFN time for the same tokens; it grows with the context read.
     assert balanced_ratio(attn, ffn, 16, 64) == pytest.approx(attn(16, 16 * 64) / ffn(16))
     assert balanced_ratio(attn, ffn, 16, 4096) > balanced_ratio(attn, ffn, 16, 64)

@@ -79,14 +79,15 @@ def fit_ffn(timelines: list[Timeline]) -> LayerCost:
 
 
 def hop_samples(timelines: list[Timeline]) -> list[float]:
-    """Per exchange where rank 0 waited at once (its wait began right after its send, as at m = 1):
-    the round trip less the FFN's compute: two transfers and the FFN side's receive/send overhead."""
+    """Per exchange of a step run as one micro-batch (rank 0 waits for it right after sending it):
+    the round trip less the FFN's compute, i.e. two transfers and the FFN side's receive/send overhead."""
     ffn = {(s.args["step"], s.args["layer"], s.args["micro_batch"]): s.dur_ns / 1e9
            for tl in timelines[1:] for s in ffn_spans(tl)}
+    single = {shape.step for shape in step_shapes(timelines[0]) if len(shape.micro_batches) == 1}
     out = []
     for s in timelines[0].spans:
         key = (s.args.get("step"), s.args.get("layer"), s.args.get("micro_batch"))
-        if s.cat == "recv" and key in ffn and s.dur_ns / 1e3 >= 0.9 * s.args["round_trip_us"]:
+        if s.cat == "recv" and key in ffn and key[0] in single:
             out.append(max(0.0, s.args["round_trip_us"] / 1e6 - ffn[key]))
     return out
 

@@ -10,7 +10,7 @@
 It joins exactly as lesson 17's worker does (`join_rank0`: the store, rank 0's control socket
 with its flags, the process group), ends as every worker of the series ends (`worker_exit`:
 traceback to rank 0, exit with its launcher), and answers ("ready", facts) once it has loaded
-its weights. Messages between two ranks arrive in the order they were sent, so no tags are
+its weights. Messages between two ranks arrive in the order they are sent, so no tags are
 needed: rank 0 sends layer by layer, micro-batch by micro-batch, and this loop takes them in
 the same order.
 """

@@ -29,7 +29,8 @@ def report(runs, args, dtype, cfg, ffn_counts) -> None:
         ffn = ", ".join(f"{busy_fraction(tl, ('compute',), win):.0%}" for tl in tls[1:])
         whole = f"rank 0 {busy_fraction(tls[0], ('compute',), win):.0%}, FFN {ffn}"
         print(f"  {name:<16} whole run: {whole:<24} layer loops ({loops.seconds:.2f} s): "
-              f"attention {loops.attention_busy:.0%}, busiest FFN rank {loops.ffn_busy:.0%}\n"
+              f"attention {loops.attention_busy:.0%}, busiest FFN rank {loops.ffn_busy:.0%}; "
+              f"{1e3 * t.median / t.result['traffic']['steps']:.1f} ms a step ({t.result['traffic']['steps']} steps)\n"
               f"  {'':<16} trace: {t.result['trace']}")
 
     first = afd[f"AFD 1:{ffn_counts[0]}, m=1"] if f"AFD 1:{ffn_counts[0]}, m=1" in afd else next(iter(afd.values()))

@@ -58,10 +58,10 @@ def one_decode_step(timelines: list[Timeline]) -> tuple[list[Timeline], int]:
 
 
 def workload_prompts(tok, n: int) -> list[list[int]]:
-    """n chat requests whose contexts differ (0 to 3 copies of a short document before the question),
+    """n chat requests whose contexts differ (0 to 7 copies of a short document before the question),
     so that the attention fit sees how its time grows with the KV it reads."""
     doc = " ".join(QUESTIONS)
-    return [chat_prompt_ids(tok, f"{(doc + ' ') * (i % 4)}{QUESTIONS[i % len(QUESTIONS)]}") for i in range(n)]
+    return [chat_prompt_ids(tok, f"{(doc + ' ') * (i % 8)}{QUESTIONS[i % len(QUESTIONS)]}") for i in range(n)]
 
 
 def main() -> None:
