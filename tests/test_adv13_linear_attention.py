@@ -18,6 +18,7 @@ from advanced.adv13_linear_attention.engine import HybridEngine, build_hybrid_en
 from advanced.adv13_linear_attention.gated_delta import (conv_decode, conv_prefill, delta_rule_chunked,
                                                          delta_rule_recurrent, prepare)
 from advanced.adv13_linear_attention.model import load_hybrid
+from advanced.adv13_linear_attention.prefix_state import StateCheckpoints, build_state_prefix_engine
 from advanced.adv13_linear_attention.state_pool import StateSlots
 from step06_sampler.params import SamplingParams
 from step09_continuous_batching.sequence import Sequence
@@ -177,6 +178,38 @@ def test_slots_and_engine_parts_are_checked(hybrid):
         HybridEngine(hybrid, engine.scheduler, engine.kv_pool, engine.attention)
     with pytest.raises(TypeError, match="HybridLM"):
         build_hybrid_engine(torch.nn.Linear(2, 2), _config())
+
+
+def test_state_prefix_cache_resumes_from_checkpoints_with_equal_tokens(hybrid, one_thread):
+    """Requests sharing a 37-token prefix: later ones resume at token 36 (9 blocks of 4) from a
+    checkpoint, also under preemption; the tokens are the uncached engine's."""
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 512, (37,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 9, 1, 20)]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    ref, _ = _run(hybrid, _config(), prompts, max_tokens=10)
+    for config in (_config(), _config(max_num_batched_tokens=32, kv_cache_bytes=20 * KV_BLOCK_BYTES)):
+        with build_state_prefix_engine(hybrid, config, checkpoints=8, attention_backend="torch") as engine:
+            first = engine.generate(prompts[:1], params)
+            rest = engine.generate(prompts[1:], params)
+            assert [s.output_token_ids for s in first + rest] == ref
+            s, bm = engine.scheduler, engine.scheduler.block_manager
+            assert bm.hit_tokens >= 3 * 36 and s.checkpoints.num_restored >= 3
+            assert bm.num_free_blocks == bm.num_blocks and s.slots.num_free_slots == s.slots.num_slots
+            assert engine.checkpoint_bytes == len(s.checkpoints.slot_of_hash) * engine.state_pool.bytes_per_slot
+    assert s.num_preemptions > 0
+
+
+def test_checkpoints_are_reused_least_recently_used_first():
+    ck = StateCheckpoints(2)
+    ck.queue_save(11, seq_slot=0)
+    ck.queue_save(22, seq_slot=1)
+    ck.queue_restore(11, seq_slot=3)                 # 11 used: 22 is now the oldest
+    ck.queue_save(33, seq_slot=0)
+    assert ck.has(11) and ck.has(33) and not ck.has(22)
+    assert ck.take() == ([(0, 0), (1, 1), (0, 1)], [(0, 3)]) and ck.take() == ([], [])
+    with pytest.raises(ValueError, match="checkpoint slot"):
+        StateCheckpoints(0)
 
 
 @pytest.mark.slow
