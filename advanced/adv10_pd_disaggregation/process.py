@@ -33,7 +33,7 @@ from advanced.adv10_pd_disaggregation.store import KVStore, StoreConnectorWorker
 
 FAULT_KINDS = ("drop", "exit-prefill", "exit-decode")
 IDLE_WAIT_S = 0.05          # an idle engine checks its pipe this often
-LOAD_WAIT_S = 0.002         # a decode engine with only loads in flight waits this long per look
+LOAD_WAIT_S = 0.002         # a decode engine with only loads in flight looks at the store this often
 
 
 def parse_fault(fault: str) -> dict[str, int]:
@@ -157,7 +157,11 @@ def decode_loop(engine, conn: Connection, tl: Timeline, fault: dict[str, int]) -
     while True:
         busy = engine.has_runnable() if is_decode else engine.has_unfinished()
         loading = is_decode and bool(engine.worker.open)
-        for msg in messages(conn, 0 if busy or loading else IDLE_WAIT_S):
+        t0 = time.perf_counter_ns()
+        # Nothing to compute but loads in flight: the pipe is watched for LOAD_WAIT_S (no CPU
+        # spent), then the store is looked at once; a spinning reader would slow the prefill
+        # process on the same machine.
+        for msg in messages(conn, 0 if busy else LOAD_WAIT_S if loading else IDLE_WAIT_S):
             if msg is None:
                 return
             kind = msg[0]
@@ -189,8 +193,7 @@ def decode_loop(engine, conn: Connection, tl: Timeline, fault: dict[str, int]) -
             if out:
                 conn.send(("tokens", out))
         elif loading:
-            t0 = time.perf_counter_ns()
-            engine.advance_transfers(LOAD_WAIT_S)
+            engine.advance_transfers()
             tl.add("wait for KV", "wait", t0, time.perf_counter_ns())
         if is_decode:
             for fb in engine.fallbacks[reported:]:

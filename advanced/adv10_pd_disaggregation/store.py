@@ -25,7 +25,7 @@ import torch
 from advanced.adv10_pd_disaggregation.connector import (ConnectorMetadata, ConnectorWorker, OpenLoad, SaveSpec,
                                                         TransferError)
 
-POLL_S = 0.0005      # how often a waiting reader looks for the next layer's file
+POLL_S = 0.001       # how often a waiting reader looks for the next layer's file
 
 
 def default_root() -> Path:

@@ -1,0 +1,182 @@
+"""Advanced lesson 10: prefill/decode disaggregation. The same mixed load (short chats, a few long
+prompts arriving among them) played into one colocated engine process and into a prefill process
+plus a decode process joined by a KV store: tokens compared, TTFT split into prefill / transfer /
+first decode, ITL of the chats while the long prompts arrive, KV bytes per request and their
+price on 10/25/100 Gbit/s links, goodput under an SLO, and both runs' timelines as Chrome traces."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minivllm_support.cli import base_parser, identity_line, machine, setup
+from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
+from minivllm_support.timing import busy_warning
+from minivllm_support.timeline import chrome_trace, draw_png, validate_trace, write_chrome_trace
+from step04_transformer.config import ModelConfig
+from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step18_benchmark.loadgen import arrival_times
+from step18_benchmark.metrics import SLO, RequestRecord, percentile_stats, summarize
+from advanced.adv06_pipeline_parallel.wire import LATENCY_US, LINKS_GBIT, link_ms
+from advanced.adv10_pd_disaggregation.cluster import PDCluster, PDRecord, PDRequest
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+             "Why do cats purr?", "Explain what a compiler does in two sentences.", "Suggest a name for a grey cat.",
+             "How do I boil an egg?", "What is 12 times 7?", "Name a famous painting and its painter.",
+             "Give me a tip for learning to swim.", "What does a bee do all day?", "Describe the colour blue."]
+NOTES = ("Meeting notes. The team reviewed the quarterly plan, the budget for the new office, the hiring of two "
+         "engineers, the schedule of the product launch, the feedback from the first customers and the risks "
+         "of the supply chain. ")
+
+
+def parse():
+    p = base_parser(__doc__.split("\n")[0])
+    p.add_argument("--chats", type=int, default=12, help="short chat requests (Poisson arrivals)")
+    p.add_argument("--rate", type=float, default=2.0, help="chat arrivals per second")
+    p.add_argument("--chat-tokens", type=int, default=24, help="tokens generated per chat")
+    p.add_argument("--long", type=int, default=2, help="long prompts, arriving evenly among the chats")
+    p.add_argument("--long-prompt", type=int, default=800, help="tokens in a long prompt (about)")
+    p.add_argument("--long-tokens", type=int, default=8, help="tokens generated per long prompt")
+    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=150.0)
+    p.add_argument("--transfer-timeout", type=float, default=10.0, help="seconds a decode engine waits for a "
+                   "layer once its prefill started, before recomputing the prompt itself")
+    p.add_argument("--fault", default="", help="inject, e.g. drop:3 (request 3's last layer is lost) or "
+                   "exit-prefill:5 (the prefill process dies mid-transfer): the fallbacks are counted below")
+    p.add_argument("--out", type=Path, default=Path("build/adv10"), help="folder for the traces and PNGs")
+    return p.parse_args()
+
+
+def workload(tok, args) -> tuple[list[PDRequest], list[bool]]:
+    """The chats at Poisson times; the long prompts (a summary of notes) spread over that window."""
+    chats = arrival_times(args.chats, args.rate, seed=0)
+    span = chats[-1] if chats else 1.0
+    reqs = [PDRequest(t, chat_prompt_ids(tok, QUESTIONS[i % len(QUESTIONS)]), args.chat_tokens)
+            for i, t in enumerate(chats)]
+    is_long = [False] * len(reqs)
+    notes = NOTES * math.ceil(args.long_prompt / max(1, len(tok.encode(NOTES))))
+    for j in range(args.long):
+        ids = chat_prompt_ids(tok, f"Summarise these notes in one line ({j}): {notes}")
+        reqs.append(PDRequest(span * (j + 1) / (args.long + 1), ids, args.long_tokens))
+        is_long.append(True)
+    return reqs, is_long
+
+
+def play(folder, mode: str, dtype, config, threads: int, reqs, args):
+    with PDCluster(folder, mode, dtype, config, threads, args.transfer_timeout,
+                   args.fault if mode == "disaggregated" else "") as c:
+        recs = c.run(reqs, timeout_s=600)
+        return recs, c.stats(), c.timelines()
+
+
+def as_record(r: PDRecord) -> RequestRecord:
+    return RequestRecord(r.prompt_len, r.start, list(r.token_times), len(r.token_ids), r.token_times[-1])
+
+
+def ttft_split(r: PDRecord) -> tuple[float, float, float] | None:
+    """(prefill, transfer, first decode) seconds, adding up to the TTFT: the prefill until the
+    prefill engine's step ended; the transfer until the last layer was in the decode pool (zero
+    when it landed while the prefill step was still running: streamed); then the first decode."""
+    if r.transfer is None or r.prefill_done is None:
+        return None
+    prefill_end = r.prefill_done
+    landed = max(prefill_end, r.transfer["landed"])
+    return prefill_end - r.start, landed - prefill_end, r.token_times[0] - landed
+
+
+def ms(values) -> str:
+    return f"{1e3 * float(np.mean(values)):8.1f}" if len(values) else "       -"
+
+
+def main() -> None:
+    args = parse()
+    dtype = setup(args)
+    folder = resolve_model(args.model)
+    cores = args.threads or os.cpu_count() or 1
+    print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})")
+    tok = load_tokenizer(folder)
+    reqs, is_long = workload(tok, args)
+    long_len = [len(r.prompt_ids) for r, lg in zip(reqs, is_long) if lg]
+    config = PagedSchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, block_size=16,
+                                  kv_cache_bytes=256 * 2**20)
+    print(f"load: {args.chats} chats ({args.chat_tokens} tokens each) at {args.rate:g}/s, {args.long} long prompts "
+          f"of {long_len[0] if long_len else 0} tokens ({args.long_tokens} tokens each) among them; prompts chunked "
+          f"by {config.max_num_batched_tokens}")
+    print(f"colocated: 1 engine process, {cores} threads   disaggregated: prefill process {max(1, cores // 2)} "
+          f"thread(s) + decode process {max(1, cores // 2)} thread(s), KV through a file store in /dev/shm\n")
+    if warning := busy_warning():
+        print(warning)
+    runs = {"colocated": play(folder, "colocated", dtype, config, cores, reqs, args),
+            "disaggregated": play(folder, "disaggregated", dtype, config, max(1, cores // 2), reqs, args)}
+    col, dis = runs["colocated"][0], runs["disaggregated"][0]
+    same = sum(a.token_ids == b.token_ids for a, b in zip(col, dis))
+    print(identity_line("outputs, disaggregated vs colocated", same, len(reqs), dtype))
+
+    slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
+    print(f"\n{'':16}{'TTFT chats':>22}{'TTFT long':>11}{'ITL chats':>22}{'goodput':>10}{'SLO met':>9}")
+    print(f"{'':16}{'p50 ms':>11}{'p99 ms':>11}{'mean ms':>11}{'p50 ms':>11}{'p99 ms':>11}{'req/s':>10}")
+    for mode, (recs, _, _) in runs.items():
+        chats = [as_record(r) for r, lg in zip(recs, is_long) if not lg]
+        longs = [as_record(r) for r, lg in zip(recs, is_long) if lg]
+        ttft = percentile_stats([r.ttft for r in chats])
+        itl = percentile_stats([g for r in chats for g in r.itl])
+        everything = [as_record(r) for r in recs]
+        duration = max(r.end for r in everything) - min(r.start for r in everything)
+        result = summarize(everything, duration, slo)
+        met = sum(slo.met(r) for r in everything)
+        print(f"{mode:16}{ttft.median:11.1f}{ttft.p99:11.1f}{ms([r.ttft for r in longs]):>11}"
+              f"{itl.median:11.1f}{itl.p99:11.1f}{result.goodput:10.2f}{met:>5}/{len(everything)}")
+    print(f"  (SLO: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms; goodput = requests/s "
+          f"meeting both)")
+
+    print("\nTTFT split, disaggregated (mean ms; they add up to the TTFT):")
+    print(f"  {'':12}{'prefill':>9}{'transfer':>9}{'1st decode':>11}{'TTFT':>9}   colocated TTFT")
+    for label, want in (("chats", False), ("long", True)):
+        parts = [ttft_split(r) for r, lg in zip(dis, is_long) if lg == want]
+        parts = [p for p in parts if p is not None]
+        col_ttft = [r.token_times[0] - r.start for r, lg in zip(col, is_long) if lg == want]
+        if parts:
+            a, b, c = zip(*parts)
+            print(f"  {label:12}{ms(a):>9}{ms(b):>9}{ms(c):>11}{ms([x + y + z for x, y, z in parts]):>9}   "
+                  f"{ms(col_ttft)}")
+    streamed = [r.transfer["first_layer"] < r.prefill_done for r in dis if r.transfer]
+    print(f"  layer 0 was in the decode pool before the prefill step ended for {sum(streamed)}/{len(streamed)} "
+          f"requests (layer-by-layer streaming)")
+
+    moved = [(r.prompt_len, r.transfer["bytes"]) for r in dis if r.transfer]
+    stats = runs["disaggregated"][1]
+    print(f"\nKV moved per request (measured in the decode pool): mean {np.mean([b for _, b in moved]) / 2**10:.0f} KiB, "
+          f"{sum(b for _, b in moved) / sum(n for n, _ in moved) / 2**10:.1f} KiB per prompt token; "
+          f"saved {stats['prefill']['bytes_saved'] / 2**20:.1f} MiB, loaded "
+          f"{stats['decode']['bytes_loaded'] / 2**20:.1f} MiB" if moved and "prefill" in stats else
+          "\nKV moved: none (every transfer failed)")
+    num_layers = ModelConfig.from_pretrained(folder).num_layers
+    if moved:
+        print(f"link model (computed from those bytes, not measured): ms = bytes x 8 / bandwidth + one message per "
+              f"layer x {LATENCY_US:.0f} us")
+        print(f"  {'':22}" + "".join(f"{f'{g} Gbit/s':>12}" for g in LINKS_GBIT))
+        for label, want in (("a chat", False), ("a long prompt", True)):
+            b = [r.transfer["bytes"] for r, lg in zip(dis, is_long) if lg == want and r.transfer]
+            if b:
+                print(f"  {label:22}" + "".join(f"{link_ms(np.mean(b), num_layers, g):9.2f} ms" for g in LINKS_GBIT))
+
+    fallbacks = [r for r in dis if r.fallback]
+    print(f"\nfallbacks (prompt recomputed on the decode engine): {len(fallbacks)}"
+          + "".join(f"\n  request {r.rid}: {r.fallback}" for r in fallbacks))
+    for mode, (_, st, _) in runs.items():
+        print(f"  {mode}: " + ", ".join(f"{role} {s['free_blocks']}/{s['num_blocks']} blocks free"
+                                        for role, s in st.items()) + " after the run")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for mode, (_, _, tls) in runs.items():
+        problems = validate_trace(chrome_trace(tls))
+        trace = write_chrome_trace(tls, args.out / f"trace_{mode}.json")
+        png = draw_png(tls, args.out / f"timeline_{mode}.png", title=f"{mode}: {len(reqs)} requests")
+        print(f"timeline ({mode}): {'valid' if not problems else problems[:2]} {trace}, {png}")
+
+
+if __name__ == "__main__":
+    main()
