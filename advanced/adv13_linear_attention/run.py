@@ -22,6 +22,7 @@ from advanced.adv13_linear_attention.checkpoint import build_hybrid_checkpoint
 from advanced.adv13_linear_attention.config import FULL, LINEAR, HybridConfig
 from advanced.adv13_linear_attention.engine import build_hybrid_engine, kv_bytes_held, state_bytes_held
 from advanced.adv13_linear_attention.model import HybridLM, load_hybrid
+from advanced.adv13_linear_attention.prefix_state import build_state_prefix_engine
 
 SHAPE = dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -75,6 +76,32 @@ def checkpoint_copy_seconds(model: HybridLM, repeats: int = 20) -> float:
         saved = [c[0].clone() for c in pool.conv] + [d[0].clone() for d in pool.delta]
     assert len(saved) == 2 * len(pool.conv)
     return (time.perf_counter() - t) / repeats
+
+
+def shared_prefix(model: HybridLM, prefix: int, requests: int = 4) -> dict:
+    """`requests` prompts of one shared `prefix` plus 16 own tokens, 8 greedy tokens each: the
+    first alone, then the others together, through the plain hybrid engine and through the one
+    with state checkpoints. Times and prompt tokens computed are for the later requests."""
+    g = torch.Generator().manual_seed(7)
+    head = torch.randint(3, SHAPE["vocab_size"], (prefix,), generator=g).tolist()
+    prompts = [head + torch.randint(3, SHAPE["vocab_size"], (16,), generator=g).tolist() for _ in range(requests)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    config = PagedSchedulerConfig(block_size=BLOCK, max_num_seqs=requests, max_num_batched_tokens=2048,
+                                  kv_cache_bytes=4 * requests * (prefix + 32) * model.config.kv_bytes_per_token)
+    out = {}
+    for name, build in (("plain", lambda: build_hybrid_engine(model, config)),
+                        ("checkpoints", lambda: build_state_prefix_engine(model, config, checkpoints=32))):
+        with build() as engine:
+            first = engine.generate(prompts[:1], params)
+            before, t = engine.prompt_tokens, time.perf_counter()
+            rest = engine.generate(prompts[1:], params)
+            out[name] = {"seconds": time.perf_counter() - t, "prompt_tokens": engine.prompt_tokens - before,
+                         "tokens": [s.output_token_ids for s in first + rest]}
+            if name == "checkpoints":
+                ck = engine.scheduler.checkpoints
+                out[name].update(saved=ck.num_saved, restored=ck.num_restored, held=len(ck.slot_of_hash),
+                                 bytes=engine.checkpoint_bytes, hit=engine.scheduler.block_manager.hit_rate)
+    return out
 
 
 def real_shape_line() -> str:
@@ -151,6 +178,17 @@ def main() -> None:
           f"at its end only {kib(slot)}")
     print(f"  saving one checkpoint (copying the state, measured): {1e6 * copy:.0f} us; recomputing it "
           f"(prefill of {hi} tokens, per request, measured above): {rows[hi][0]['prefill_s'] / args.batch * 1e3:.0f} ms")
+    prefix = min(1024, hi)
+    sp = shared_prefix(models["hybrid"], prefix)
+    plain, ck = sp["plain"], sp["checkpoints"]
+    print(f"  measured, 4 requests sharing a {prefix}-token prefix (+16 own tokens, 8 generated), the first one "
+          f"alone, then the other 3:")
+    print(f"    plain hybrid engine:     {plain['prompt_tokens']:5d} prompt tokens computed, {plain['seconds']:.2f} s")
+    print(f"    with state checkpoints:  {ck['prompt_tokens']:5d} prompt tokens computed, {ck['seconds']:.2f} s; "
+          f"hit rate {100 * ck['hit']:.0f}%, {ck['saved']} checkpoints saved, {ck['restored']} restored, "
+          f"{ck['held']} held = {kib(ck['bytes'])}")
+    same = sum(a == b for a, b in zip(plain["tokens"], ck["tokens"]))
+    print(f"    identical outputs, checkpoints vs plain: {same}/{len(plain['tokens'])}")
     print(real_shape_line())
 
 
