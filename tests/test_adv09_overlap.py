@@ -100,6 +100,22 @@ def test_sub_batch_attention_equals_its_rows_of_the_step(tiny_qwen3_dir):
     assert torch.equal(copy.k[0], pool.k[0]) and torch.equal(copy.v[0], pool.v[0])   # same K/V written
 
 
+def test_partial_sum_hands_over_the_partial_and_refuses_a_bias():
+    from torch import nn
+
+    from step17_tensor_parallel.layers import RowParallelLinear
+    from advanced.adv09_overlap.schedule import PartialSum, defer_reductions
+    row = RowParallelLinear(8, 4, False, rank=0, world=2)
+    model = nn.Sequential(row, nn.Identity())
+    deferred = defer_reductions(model)
+    assert type(deferred[0]) is PartialSum and deferred[0].linear is row.linear    # the same weights
+    assert type(model[0]) is RowParallelLinear                                     # the original untouched
+    x = torch.randn(3, 4)
+    assert torch.equal(deferred(x), row.linear(x))                                 # no all-reduce inside
+    with pytest.raises(ValueError, match="bias"):
+        PartialSum(RowParallelLinear(8, 4, True, rank=0, world=2))
+
+
 # ---- the hidden fraction --------------------------------------------------------------------------
 def test_hidden_fraction_on_a_synthetic_timeline():
     """A's all-reduce 10-30 runs under B's compute 12-20 and A's own 20-25: only B's 8 count.

@@ -75,7 +75,7 @@ def start_all_reduce(x: Tensor, name: str, layer: int) -> InFlight:
         raise CollectiveError(f"all-reduce {name} failed to start: {e}") from e
     flight = InFlight(x, work, t0, name, layer)
     # When the sum is complete: a callback on gloo's side, so the timeline shows when the bytes
-    # were really done, not only when this thread came back to wait for them.
+    # are really done, not only when this thread comes back to wait for them.
     work.get_future().then(lambda _: flight.done_ns.append(time.perf_counter_ns()))
     return flight
 
