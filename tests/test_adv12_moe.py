@@ -120,7 +120,7 @@ def test_rebalance_experts_maps_are_valid(data):
                        torch.full((ranks,), per_rank))
     assert abs(float(p.rank_loads(load).sum()) - float(load.sum())) < 1e-6 * (1 + float(load.sum()))
     ids = torch.randint(0, experts, (data.draw(st.integers(0, 40)), min(2, experts)))
-    chosen = p.choose_replicas(ids)
+    chosen = p.choose_replicas(ids, start=data.draw(st.integers(0, 5)))
     assert (p2l[chosen] == ids).all()                               # a replica runs the expert chosen
     for e in range(experts):                                        # and they share its pairs evenly
         per_replica = [int((chosen == slot).sum()) for slot in l2p[e][:counts[e]]]

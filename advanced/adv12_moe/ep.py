@@ -69,10 +69,14 @@ class ExpertParallel:
         self.rank, self.world, self.placements = rank, world, placements
         # rows each rank computed, per sparse layer: [layers, world], counted from the full routing
         self.rows_per_rank = {layer: torch.zeros(world, dtype=torch.long) for layer in placements}
+        self.calls = {layer: 0 for layer in placements}       # the layer's forwards so far (every rank runs each)
 
     def __call__(self, moe: SparseMoE, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         p, (T, k) = self.placements[moe.layer_idx], ids.shape
-        all_slots = p.choose_replicas(ids)                     # the whole step's: the same on every rank
+        # The whole step's choice, the same on every rank; the first replica moves on every call,
+        # so the odd row of an odd count does not always land on the same one.
+        all_slots = p.choose_replicas(ids, start=self.calls[moe.layer_idx])
+        self.calls[moe.layer_idx] += 1
         self.rows_per_rank[moe.layer_idx] += torch.bincount(p.rank_of(all_slots).reshape(-1), minlength=self.world)
         lo, hi = shard(T, self.rank, self.world)
         slots = all_slots[lo:hi].reshape(-1)

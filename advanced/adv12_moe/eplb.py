@@ -52,18 +52,19 @@ class Placement:
         s = self.slots_per_rank
         return sorted(set(self.physical_to_logical[rank * s:(rank + 1) * s].tolist()))
 
-    def choose_replicas(self, ids: Tensor) -> Tensor:
+    def choose_replicas(self, ids: Tensor, start: int = 0) -> Tensor:
         """Logical expert ids [T, k] of a whole step -> physical slot ids [T, k]. The pairs that
-        chose expert e take its replicas in turn, in (token, slot) order: a hot expert's tokens
-        split evenly (to one row) over its replicas, and every rank, routing the same step, makes
-        the same choice. (Taking turns by the pair's own number would not do: a hot expert is
-        mostly some token's first choice, so its pairs' numbers share a remainder.)"""
+        chose expert e take its replicas in turn, in (token, slot) order, from replica `start`
+        on: a hot expert's tokens split evenly (to one row) over its replicas, and every rank,
+        routing the same step with the same `start`, makes the same choice. (Taking turns by
+        the pair's own number would not do: a hot expert is mostly some token's first choice,
+        so its pairs' numbers share a remainder.)"""
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(self.replica_counts))
         starts = torch.cumsum(counts, 0) - counts
         turn = torch.empty_like(flat)
-        turn[order] = torch.arange(len(flat)) - starts[flat[order]]       # the pair's place among its expert's
+        turn[order] = torch.arange(len(flat)) - starts[flat[order]] + start   # its place among its expert's
         return self.logical_to_physical[flat, turn % self.replica_counts[flat]].view(ids.shape)
 
     def rank_loads(self, load: Tensor) -> Tensor:

@@ -85,7 +85,8 @@ def main() -> None:
     layers, E, R = cfg.sparse_layers, cfg.num_experts, args.ep
     bias = torch.randn(len(layers), E, generator=torch.Generator().manual_seed(7)) * args.skew if args.skew else None
     print(f"machine: {machine()}")
-    print(f"model: {folder} ({'random weights, ' if not args.model else ''}{dtype}): {cfg.num_layers} layers, "
+    weights = "random weights, " if not args.model else ""
+    print(f"model: {folder} ({weights}{resolve_dtype_name(args.dtype)}): {cfg.num_layers} layers, "
           f"sparse {layers}, {E} experts, {cfg.num_experts_per_tok} per token, expert inner size "
           f"{cfg.moe_intermediate_size}; router skew: N(0, {args.skew}) bias on the logits (seed 7)")
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
