@@ -224,15 +224,24 @@ def test_faulted_worker_is_a_clear_error_in_seconds(tiny_qwen3_dir, monkeypatch,
 
 
 @pytest.mark.slow
-def test_overlap_equals_tp_engine_and_one_process_on_smollm2(smol_dir, smol_fp32, smol_prompts, no_leftovers):
-    """The embedded model in fp32, TP=3 (its 9 heads split 3 ways): the overlap engine, lesson 17's
-    TPEngine (gloo) and lesson 16's one-process engine give the same tokens."""
-    params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 20, 16, 18, 10)]
+def test_overlap_equals_lesson17_tp_engine_on_tiny(tiny_qwen3_dir, no_leftovers):
+    """Lesson 17's TPEngine (gloo, its own schedule) and the overlap engine: the same tokens, fp32."""
+    prompts = _prompts(512, (3, 40, 17, 9))
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    cfg = _config(max_num_seqs=3, max_num_batched_tokens=16)
+    with TPEngine(tiny_qwen3_dir, cfg, tensor_parallel_size=2, dtype=torch.float32, all_reduce="gloo",
+                  use_graph=False) as tp:
+        ref = [s.output_token_ids for s in tp.generate(prompts, sp)]
+    with OverlapEngine(tiny_qwen3_dir, cfg, tensor_parallel_size=2, dtype=torch.float32) as engine:
+        assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
+
+
+@pytest.mark.slow
+def test_overlap_equals_one_process_on_smollm2(smol_dir, smol_fp32, smol_prompts, no_leftovers):
+    """The embedded model in fp32, TP=3 (its 9 heads split 3 ways), greedy, stopping at EOS."""
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (6, 10, 8, 9, 5)]
     cfg = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=16, kv_cache_bytes=16 * 2**20)
     ref = [s.output_token_ids for s in build_engine(smol_fp32, cfg, use_graph=False).generate(smol_prompts, params)]
-    with TPEngine(smol_dir, cfg, tensor_parallel_size=3, dtype=torch.float32, all_reduce="gloo",
-                  use_graph=False) as tp:
-        assert [s.output_token_ids for s in tp.generate(smol_prompts, params)] == ref
     with OverlapEngine(smol_dir, cfg, tensor_parallel_size=3, dtype=torch.float32) as engine:
         assert [s.output_token_ids for s in engine.generate(smol_prompts, params)] == ref
 
