@@ -58,17 +58,25 @@ def workload(vocab: int, half: int, n: int, length: int, seed: int) -> list[list
     return [torch.randint(lo, hi, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def timed(engine: EPEngine, prompts, sp, repeats: int) -> tuple[list[float], int, list[list[int]]]:
-    """(seconds of each timed run, engine steps of one run, outputs); one untimed warm-up first."""
+def timed(engine: EPEngine, prompts, sp, repeats: int) -> tuple[list[tuple[float, float]], int, list[list[int]]]:
+    """([(seconds, seconds in EP collectives) of each timed run], engine steps of one run, outputs);
+    one untimed warm-up first."""
     engine.generate(prompts, sp)
-    seconds, outputs, steps = [], None, 0
+    runs, outputs, steps = [], None, 0
     for _ in range(repeats):
-        before = engine.num_steps
+        before, comm = engine.num_steps, EP_COMM.seconds
         t0 = time.perf_counter()
         outputs = [s.output_token_ids for s in engine.generate(prompts, sp)]
-        seconds.append(time.perf_counter() - t0)
+        runs.append((time.perf_counter() - t0, EP_COMM.seconds - comm))
         steps = engine.num_steps - before
-    return seconds, steps, outputs
+    return runs, steps, outputs
+
+
+def time_row(name: str, runs: list[tuple[float, float]], steps: int, collectives: bool) -> str:
+    """The fastest run's ms per step, and its ms per step in the collectives."""
+    wall, comm = min(runs)
+    a2a = f"{1e3 * comm / steps:19.1f}" if collectives else f"{'-':>19}"
+    return f"  {name:<28} {' '.join(f'{w:.2f}' for w, _ in runs):<22} {1e3 * wall / steps:8.1f} {a2a}"
 
 
 def loads_line(name: str, placements: dict[int, Placement], counts: torch.Tensor, layers: list[int]) -> str:
@@ -78,6 +86,8 @@ def loads_line(name: str, placements: dict[int, Placement], counts: torch.Tensor
 
 def main() -> None:
     args = parse()
+    if args.ep < 2 or args.spare_slots < 0:
+        raise SystemExit(f"--ep must be >= 2 (got {args.ep}) and --spare-slots >= 0 (got {args.spare_slots})")
     torch.set_grad_enabled(False)
     dtype = DTYPES[resolve_dtype_name(args.dtype)]
     folder = Path(args.model) if args.model else small_moe(Path(args.out))
@@ -134,9 +144,8 @@ def main() -> None:
     # 3. expert parallel: R processes against one, static and EPLB placements
     print(f"\nexpert parallel, workload A ({args.repeats} timed runs after a warm-up; one engine at a time):")
     print(f"  {'engine':<28} {'wall s (runs)':<22} {'ms/step':>8} {'all-to-all ms/step':>19}  measured balancedness")
-    for name, times in ((f"one process, {threads} threads", one_time), ("one process, 1 thread", one_thread_time)):
-        ms = 1e3 * min(times) / one_steps
-        print(f"  {name:<28} {' '.join(f'{s:.2f}' for s in times):<22} {ms:8.1f} {'-':>19}  -")
+    for name, runs in ((f"one process, {threads} threads", one_time), ("one process, 1 thread", one_thread_time)):
+        print(time_row(name, runs, one_steps, False) + "  -")
     same = total = 0
     launch = launch_from_args(args)
     variants = [("static", static), ("EPLB (fitted on A)", eplb["A"])]
@@ -145,20 +154,15 @@ def main() -> None:
     for name, placements in variants:
         with EPEngine(folder, sched, expert_parallel_size=R, placements=placements, dtype=dtype,
                       router_bias=bias, launch=launch) as ep:
-            EP_COMM.reset()
             path = next(m.expert_path for m in ep.model.modules() if hasattr(m, "expert_path"))
-            for rows in path.rows_per_rank.values():
-                rows.zero_()
-            seconds, steps, outputs = timed(ep, sets["A"], sp, args.repeats)
-            a2a_ms = 1e3 * EP_COMM.seconds / ((args.repeats + 1) * steps)
+            runs, steps, outputs = timed(ep, sets["A"], sp, args.repeats)
             measured = [balancedness(r) for r in path.rows_per_rank.values()]
         same += sum(o == r for o, r in zip(outputs, ref))
         total += len(ref)
-        ms = 1e3 * min(seconds) / steps
-        print(f"  {f'EP={R}, {name}':<28} {' '.join(f'{s:.2f}' for s in seconds):<22} {ms:8.1f} {a2a_ms:19.1f}  "
-              + " ".join(f"{b:.3f}" for b in measured))
-    print("  (ms/step: the fastest run's wall time over its engine steps; all-to-all: rank 0's time in the dispatch,"
-          "\n   combine and all-gather collectives; measured balancedness: rows each rank's experts computed, per layer)")
+        print(time_row(f"EP={R}, {name}", runs, steps, True) + "  " + " ".join(f"{b:.3f}" for b in measured))
+    print("  (ms/step: the fastest run's wall time over its engine steps; all-to-all: rank 0's time in that run's\n"
+          "   dispatch, combine and all-gather collectives; measured balancedness: from the rows each rank's experts\n"
+          "   computed in the warm-up and the timed runs, per layer)")
     print(identity_line(f"outputs, EP={R} vs one process", same, total, dtype))
 
 
