@@ -3,6 +3,8 @@
 Flags follow `vllm serve`'s names. Then, for example:
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
+or a chat in the terminal, as `vllm chat` (chat.py; without --url it serves the model itself):
+    python -m step20_http_serve chat --url http://localhost:8000/v1
 """
 from __future__ import annotations
 
@@ -21,7 +23,14 @@ from step20_http_serve.server import EXIT_ENGINE_DEAD, build_server, serve
 
 def main(argv: list[str] | None = None, build=build_server) -> None:
     """`build` makes (app, AsyncLLM) from the flags (and threaded=False: the engine loop runs in
-    this thread, see `serve`); a later lesson passes its own."""
+    this thread, see `serve`); a later lesson passes its own. `chat ...` runs the terminal chat;
+    `serve ...` is the same as no subcommand."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["chat"]:
+        from step20_http_serve.chat import main as chat_main
+        sys.exit(chat_main(argv[1:]))
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
     p = argparse.ArgumentParser(prog="python -m step20_http_serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: $MINIVLLM_MODEL, a cached "
