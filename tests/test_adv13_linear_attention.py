@@ -181,20 +181,21 @@ def test_slots_and_engine_parts_are_checked(hybrid):
 
 
 def test_state_prefix_cache_resumes_from_checkpoints_with_equal_tokens(hybrid, one_thread):
-    """Requests sharing a 37-token prefix: later ones resume at token 36 (9 blocks of 4) from a
-    checkpoint, also under preemption; the tokens are the uncached engine's."""
+    """Requests sharing a 37-token prefix (blocks of 4). The first one's checkpoints lie past
+    the prefix (its prompt ends at token 57); the second matches 9 blocks of KV but no state, so
+    it recomputes them, ending a chunk at token 36 (the junction) where it leaves a checkpoint;
+    the last four resume there. Also under preemption; the tokens are the uncached engine's."""
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 512, (37,), generator=g).tolist()
-    prompts = [shared + torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 9, 1, 20)]
+    prompts = [shared + torch.randint(3, 512, (n,), generator=g).tolist() for n in (20, 9, 1, 3, 12, 6)]
     params = SamplingParams(temperature=0, max_tokens=10)
     ref, _ = _run(hybrid, _config(), prompts, max_tokens=10)
     for config in (_config(), _config(max_num_batched_tokens=32, kv_cache_bytes=20 * KV_BLOCK_BYTES)):
         with build_state_prefix_engine(hybrid, config, checkpoints=8, attention_backend="torch") as engine:
-            first = engine.generate(prompts[:1], params)
-            rest = engine.generate(prompts[1:], params)
-            assert [s.output_token_ids for s in first + rest] == ref
+            seqs = [s for group in (prompts[:1], prompts[1:2], prompts[2:]) for s in engine.generate(group, params)]
+            assert [s.output_token_ids for s in seqs] == ref
             s, bm = engine.scheduler, engine.scheduler.block_manager
-            assert bm.hit_tokens >= 3 * 36 and s.checkpoints.num_restored >= 3
+            assert bm.hit_tokens >= 4 * 36 and s.checkpoints.num_restored >= 4
             assert bm.num_free_blocks == bm.num_blocks and s.slots.num_free_slots == s.slots.num_slots
             assert engine.checkpoint_bytes == len(s.checkpoints.slot_of_hash) * engine.state_pool.bytes_per_slot
     assert s.num_preemptions > 0

@@ -7,7 +7,8 @@ What changes against lesson 15 (`step15_flash_attention.engine`):
   - the step the model is handed is lesson 15's paged step attention plus a RecurrentStep over
     the state pool (HybridEngine.make_attention); the KV pool holds the attention layers only;
   - no prefix cache: lesson 13 would let a new request skip the tokens of a cached prefix, but
-    the DeltaNet layers have no state for "after those tokens" to start from (README).
+    the DeltaNet layers have no state for "after those tokens" to start from; prefix_state.py
+    adds state checkpoints for that.
 
 Preemption recomputes the state, as vLLM does for its Mamba-style layers: the preempted
 sequence's slot is freed and, when it is admitted again, its prompt and generated tokens are

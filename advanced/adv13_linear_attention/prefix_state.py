@@ -8,8 +8,10 @@ layers' state after exactly that token was kept. So:
                    (lesson 13's chained hash: equal hash => equal prefix)
     admission      lesson 13's match, cut back to the longest matched block whose hash has a
                    checkpoint; that checkpoint is copied into the sequence's slot
-    prompt chunks  are cut at the prompt's last block boundary (`room`), so that boundary is
-                   always a step's end and gets a checkpoint even when the prompt arrives whole
+    prompt chunks  are cut at the end of the KV match (where this request parts from a cached
+                   one: the next request sharing that prefix finds a checkpoint there) and at
+                   the prompt's last block boundary (`room`), so that both boundaries end a
+                   step and get a checkpoint even when the prompt arrives whole
 
 Checkpoints live in a StatePool of their own with a fixed number of slots, reused least
 recently used first. The copies are queued by the scheduler and made by the engine before the
@@ -70,9 +72,19 @@ class StateCheckpoints:
 
 
 class CheckpointedBlockManager(PrefixCachingBlockManager):
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self.junction: dict[int, int] = {}           # seq id -> tokens its KV match covered
+
+    def free(self, seq: Sequence) -> None:
+        self.junction.pop(seq.seq_id, None)
+        super().free(seq)
+
     def match_prefix(self, seq: Sequence, has_state: Callable[[int], bool] = lambda h: False) -> int:
-        """Lesson 13's match, then give back the matched blocks past the last one with a state."""
+        """Lesson 13's match, then give back the matched blocks past the last one with a state.
+        Where the KV match ended is kept (`junction`): the scheduler ends a chunk there."""
         hit = super().match_prefix(seq)
+        self.junction[seq.seq_id] = hit
         hashes, table = self.seq_hashes[seq.seq_id], seq.block_table
         while hashes and not has_state(hashes[-1]):
             hashes.pop()
@@ -101,11 +113,14 @@ class StatePrefixScheduler(HybridScheduler):
                                            self.slots.slot_of[seq.seq_id])
 
     def room(self, seq: Sequence) -> int:
-        """Lesson 12's room, but a prompt chunk stops at the prompt's last block boundary."""
-        room = super().room(seq)
-        boundary = (seq.num_prompt_tokens - 1) // self.block_manager.block_size * self.block_manager.block_size
-        start = seq.num_computed_tokens
-        return min(room, boundary - start) if start < boundary else room
+        """Lesson 12's room, but a prompt chunk stops at the junction and at the prompt's last
+        block boundary."""
+        room, bm, start = super().room(seq), self.block_manager, seq.num_computed_tokens
+        last = (seq.num_prompt_tokens - 1) // bm.block_size * bm.block_size
+        for stop in (bm.junction.get(seq.seq_id, 0), last):
+            if start < stop:
+                return min(room, stop - start)
+        return room
 
     def after_step(self, batch: ScheduledBatch) -> None:
         bs = self.block_manager.block_size
