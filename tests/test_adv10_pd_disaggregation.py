@@ -96,12 +96,17 @@ def test_prompt_key_names_the_request_and_its_tokens():
 
 
 def test_bad_faults_and_modes_are_refused_before_any_process():
-    with pytest.raises(ValueError, match="expected one of"):
+    with pytest.raises(ValueError, match="a comma-separated list"):
         parse_fault("drop")
+    with pytest.raises(ValueError, match="distinct"):
+        parse_fault("drop:1,drop:2")
+    assert parse_fault("drop:1,exit-decode:3") == {"drop": 1, "exit-decode": 3}
     with pytest.raises(ValueError, match="mode must be"):
         PDCluster("nowhere", mode="split")
-    with pytest.raises(ValueError, match="expected one of"):
+    with pytest.raises(ValueError, match="a comma-separated list"):
         PDCluster("nowhere", fault="explode:1")
+    with pytest.raises(ValueError, match="transport must be"):
+        PDCluster("nowhere", transport="pigeon")
 
 
 # ---- the store ----------------------------------------------------------------------------------
@@ -309,6 +314,20 @@ def test_lost_layer_then_prefill_killed_fall_back_on_decode(tiny_qwen3_dir, colo
     assert "exited with code 3" in recs[2].fallback                   # killed mid-transfer
     assert "exited with code 3" in recs[3].fallback                   # after it: no prefill engine at all
     assert list(stats) == ["decode"] and _all_full(stats) and stats["decode"]["fallbacks"] >= 2
+
+
+@pytest.mark.slow
+def test_gloo_transport_gives_the_colocated_tokens_and_counts_a_lost_layer(tiny_qwen3_dir, colocated_tokens,
+                                                                         no_leftovers):
+    with PDCluster(tiny_qwen3_dir, "disaggregated", config=CONFIG, transport="gloo", fault="drop:1",
+                   transfer_timeout_s=2.0, start_timeout_s=WAIT_S) as c:
+        recs = c.run(_requests(), WAIT_S)
+        stats = c.stats()
+    assert [r.token_ids for r in recs] == colocated_tokens
+    assert [r.fallback is not None for r in recs] == [False, True, False, False]
+    assert "layer 1 did not arrive within 2 s" in recs[1].fallback       # gloo: found by the timeout
+    assert all(r.transfer["bytes"] > 0 for i, r in enumerate(recs) if i != 1)
+    assert _all_full(stats) and stats["decode"]["fallbacks"] == 1
 
 
 @pytest.mark.slow

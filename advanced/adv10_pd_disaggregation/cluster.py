@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import pickle
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
 import torch
 import torch.multiprocessing as mp
@@ -31,6 +32,13 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_tensor_parallel.workers import shutdown
 from advanced.adv10_pd_disaggregation.process import EngineSpec, engine_main, parse_fault
 from advanced.adv10_pd_disaggregation.store import default_root
+
+
+def free_port() -> int:
+    """A port nobody listens on now (the OS picks it), for the gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class EngineFailed(RuntimeError):
@@ -61,24 +69,27 @@ class PDRecord:
 class PDCluster:
     def __init__(self, folder: str, mode: str = "disaggregated", dtype: torch.dtype = torch.float32,
                  config: PagedSchedulerConfig | None = None, threads: int = 1, transfer_timeout_s: float = 10.0,
-                 fault: str = "", start_timeout_s: float = 120.0):
+                 fault: str = "", start_timeout_s: float = 120.0, transport: str = "store"):
         if mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
         if threads < 1 or transfer_timeout_s <= 0:
             raise ValueError(f"need threads >= 1 and transfer_timeout_s > 0, got {threads}, {transfer_timeout_s}")
+        if transport not in ("store", "gloo"):
+            raise ValueError(f"transport must be 'store' or 'gloo', got {transport!r}")
         parse_fault(fault)                              # a bad fault string fails here, not in a child
         self.mode, self.config = mode, config or PagedSchedulerConfig()
         self.procs, self.conns, self.names = [], [], []
         self.proc_of: dict[str, mp.Process] = {}
         self.replies: list[tuple] = []
-        self.root = default_root() if mode == "disaggregated" else None
+        self.root = default_root() if mode == "disaggregated" and transport == "store" else None
+        port = free_port() if mode == "disaggregated" and transport == "gloo" else 0
         self.prefill_lost: str | None = None
         self.records: dict[int, PDRecord] = {}
         roles = ("prefill", "decode") if mode == "disaggregated" else ("colocated",)
         try:
             for rank, role in enumerate(roles, 1):
                 spec = EngineSpec(role, str(folder), dtype, threads, self.config, str(self.root or ""),
-                                  transfer_timeout_s, fault, rank)
+                                  transfer_timeout_s, fault, rank, transport, port, start_timeout_s)
                 self._spawn(role, spec)
             self.info = [self._ready(i, start_timeout_s) for i in range(len(roles))]
         except BaseException:

@@ -160,7 +160,18 @@ class ConnectorWorker:
     def wait_for_save(self) -> None:
         raise NotImplementedError
 
+    # the prefill side is given the step's saves before the forward (vLLM: bind_connector_metadata)
+    def bind(self, meta: ConnectorMetadata) -> None:
+        raise NotImplementedError
+
+    def finished(self, load: OpenLoad) -> None:
+        """A load is over (complete or given up): release what the transport kept for it."""
+
     # ---- transport-independent: driving the open loads, once per engine step ------------------
+    # True: every layer the producer ships is readable here before it reports the request done
+    # (the store's writes return when the file is in place); False: layers may still be on the
+    # way (gloo's sends finish later), so only the timeout can declare one lost.
+    lands_before_done: bool = True
     num_layers: int
     transfer_timeout_s: float
     open: dict[int, OpenLoad]
@@ -189,7 +200,7 @@ class ConnectorWorker:
                 continue
             if load.next_layer == self.num_layers:
                 done.append(self.open.pop(req_id))
-            elif load.producer_done:
+            elif load.producer_done and self.lands_before_done:
                 failed[req_id] = (self.open.pop(req_id), f"layer {load.next_layer} never arrived "
                                                          "(the prefill engine has finished the request)")
             elif load.armed and time.perf_counter() - load.last_progress > self.transfer_timeout_s:
@@ -202,6 +213,8 @@ class ConnectorWorker:
         load = self.open.get(req_id)
         if load is not None:
             load.producer_done = True
+            if not load.armed:
+                load.armed, load.last_progress = True, time.perf_counter()
 
     def give_up(self, req_id: int) -> OpenLoad | None:
         """Stop waiting for this load (its producer is gone); returns it, or None if not open."""

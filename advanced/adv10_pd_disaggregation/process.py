@@ -27,8 +27,10 @@ from minivllm_support.timeline import Timeline
 from step04_transformer.loader import load_model
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_tensor_parallel.worker import worker_exit
-from advanced.adv10_pd_disaggregation.connector import prompt_key
+from step17_tensor_parallel import parallel
+from advanced.adv10_pd_disaggregation.connector import ConnectorWorker, prompt_key
 from advanced.adv10_pd_disaggregation.engines import DecodeEngine, PrefillEngine, build_pd_engine
+from advanced.adv10_pd_disaggregation.gloo import DECODE_RANK, PREFILL_RANK, GlooConnectorWorker
 from advanced.adv10_pd_disaggregation.store import KVStore, StoreConnectorWorker
 
 FAULT_KINDS = ("drop", "exit-prefill", "exit-decode")
@@ -61,6 +63,9 @@ class EngineSpec:
     transfer_timeout_s: float = 10.0
     fault: str = ""
     rank: int = 1                 # its row on the timeline
+    transport: str = "store"      # "store" (store.py) | "gloo" (gloo.py)
+    port: int = 0                 # gloo: where the prefill process hosts the rendezvous
+    join_timeout_s: float = 120.0
 
 
 def engine_main(spec: EngineSpec, conn: Connection) -> None:
@@ -71,15 +76,21 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
         fault = parse_fault(spec.fault)
         tl = Timeline(spec.rank, f"{spec.role} engine (pid {os.getpid()})")
         model = load_model(spec.folder, spec.dtype)
-        store = KVStore(spec.store_root) if spec.role != "colocated" else None
+        if spec.role != "colocated" and spec.transport == "gloo":     # prefill rank 0, decode rank 1
+            rank = PREFILL_RANK if spec.role == "prefill" else DECODE_RANK
+            parallel.init_group(parallel.make_store(rank, 2, spec.port, spec.join_timeout_s), rank, 2,
+                                spec.join_timeout_s)
+        store = KVStore(spec.store_root) if spec.transport == "store" and spec.role != "colocated" else None
 
-        def make_worker(pool, num_layers: int) -> StoreConnectorWorker:
+        def make_worker(pool, num_layers: int) -> ConnectorWorker:
             drop = {(fault["drop"], num_layers - 1)} if "drop" in fault else set()
+            if store is None:
+                return GlooConnectorWorker(pool, num_layers, spec.transfer_timeout_s, drop, tl, spec.role)
             return StoreConnectorWorker(store, pool, num_layers, spec.transfer_timeout_s, drop, tl)
 
         send = conn.send
         on_start = (lambda rids: send(("started", rids, time.perf_counter()))) if spec.role == "prefill" else None
-        extra = {"make_worker": make_worker} if store else {}
+        extra = {"make_worker": make_worker} if spec.role != "colocated" else {}
         if on_start:
             extra["on_save_start"] = on_start
         engine = build_pd_engine(model, spec.role, config=spec.config, **extra)
@@ -135,6 +146,8 @@ def prefill_loop(engine: PrefillEngine, conn: Connection, tl: Timeline, fault: d
     while True:
         for msg in messages(conn, 0 if engine.has_unfinished() else IDLE_WAIT_S):
             if msg is None:
+                if isinstance(engine.worker, GlooConnectorWorker):
+                    engine.worker.stop_receiver()       # the decode side's thread ends cleanly
                 return
             if msg[0] == "add":
                 _, rid, prompt_ids = msg[:3]

@@ -1,8 +1,8 @@
 """Advanced lesson 10: prefill/decode disaggregation. The same mixed load (short chats, a few long
 prompts arriving among them) played into one colocated engine process and into a prefill process
-plus a decode process joined by a KV store: tokens compared, TTFT split into prefill / transfer /
+plus a decode process joined by a KV connector (a file store, gloo send/recv): tokens compared, TTFT split into prefill / transfer /
 first decode, ITL of the chats while the long prompts arrive, KV bytes per request and their
-price on 10/25/100 Gbit/s links, goodput under an SLO, and both runs' timelines as Chrome traces."""
+price on 10/25/100 Gbit/s links, goodput under an SLO, and every run's timeline as a Chrome trace."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from minivllm_support.cli import base_parser, identity_line, machine, setup
 from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
@@ -46,6 +45,8 @@ def parse():
                    "layer once its prefill started, before recomputing the prompt itself")
     p.add_argument("--fault", default="", help="inject, e.g. drop:3 (request 3's last layer is lost) or "
                    "exit-prefill:5 (the prefill process dies mid-transfer): the fallbacks are counted below")
+    p.add_argument("--transports", default="store,gloo", help="KV transports to run disaggregated: store "
+                   "(files in /dev/shm, store.py), gloo (torch.distributed send/recv, gloo.py)")
     p.add_argument("--out", type=Path, default=Path("build/adv10"), help="folder for the traces and PNGs")
     return p.parse_args()
 
@@ -65,9 +66,9 @@ def workload(tok, args) -> tuple[list[PDRequest], list[bool]]:
     return reqs, is_long
 
 
-def play(folder, mode: str, dtype, config, threads: int, reqs, args):
+def play(folder, mode: str, dtype, config, threads: int, reqs, args, transport: str = "store"):
     with PDCluster(folder, mode, dtype, config, threads, args.transfer_timeout,
-                   args.fault if mode == "disaggregated" else "") as c:
+                   args.fault if mode == "disaggregated" else "", transport=transport) as c:
         recs = c.run(reqs, timeout_s=600)
         return recs, c.stats(), c.timelines()
 
@@ -105,15 +106,20 @@ def main() -> None:
     print(f"load: {args.chats} chats ({args.chat_tokens} tokens each) at {args.rate:g}/s, {args.long} long prompts "
           f"of {long_len[0] if long_len else 0} tokens ({args.long_tokens} tokens each) among them; prompts chunked "
           f"by {config.max_num_batched_tokens}")
+    transports = [t for t in args.transports.split(",") if t]
+    if not transports or any(t not in ("store", "gloo") for t in transports):
+        raise SystemExit(f"--transports {args.transports!r}: a comma-separated list of store, gloo")
     print(f"colocated: 1 engine process, {cores} threads   disaggregated: prefill process {max(1, cores // 2)} "
-          f"thread(s) + decode process {max(1, cores // 2)} thread(s), KV through a file store in /dev/shm\n")
+          f"thread(s) + decode process {max(1, cores // 2)} thread(s), KV through {' / '.join(transports)}\n")
     if warning := busy_warning():
         print(warning)
-    runs = {"colocated": play(folder, "colocated", dtype, config, cores, reqs, args),
-            "disaggregated": play(folder, "disaggregated", dtype, config, max(1, cores // 2), reqs, args)}
-    col, dis = runs["colocated"][0], runs["disaggregated"][0]
-    same = sum(a.token_ids == b.token_ids for a, b in zip(col, dis))
-    print(identity_line("outputs, disaggregated vs colocated", same, len(reqs), dtype))
+    runs = {"colocated": play(folder, "colocated", dtype, config, cores, reqs, args)}
+    for t in transports:
+        runs[f"PD {t}"] = play(folder, "disaggregated", dtype, config, max(1, cores // 2), reqs, args, t)
+    col = runs["colocated"][0]
+    same = sum(a.token_ids == b.token_ids for name, run in runs.items() if name != "colocated"
+               for a, b in zip(col, run[0]))
+    print(identity_line("outputs, disaggregated vs colocated", same, len(reqs) * len(transports), dtype))
 
     slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
     print(f"\n{'':16}{'TTFT chats':>22}{'TTFT long':>11}{'ITL chats':>22}{'goodput':>10}{'SLO met':>9}")
@@ -132,50 +138,54 @@ def main() -> None:
     print(f"  (SLO: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms; goodput = requests/s "
           f"meeting both)")
 
-    print("\nTTFT split, disaggregated (mean ms; they add up to the TTFT):")
+    num_layers = ModelConfig.from_pretrained(folder).num_layers
+    for name, (dis, stats, _) in runs.items():
+        if name != "colocated":
+            transfer_report(name, dis, stats, col, is_long, num_layers)
+    for mode, (_, st, _) in runs.items():
+        print(f"{mode}: " + ", ".join(f"{role} {s['free_blocks']}/{s['num_blocks']} blocks free"
+                                      for role, s in st.items()) + " after the run")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for mode, (_, _, tls) in runs.items():
+        slug = mode.replace(" ", "_")
+        problems = validate_trace(chrome_trace(tls))
+        trace = write_chrome_trace(tls, args.out / f"trace_{slug}.json")
+        png = draw_png(tls, args.out / f"timeline_{slug}.png", title=f"{mode}: {len(reqs)} requests")
+        print(f"timeline ({mode}): {'valid' if not problems else problems[:2]} {trace}, {png}")
+
+
+def transfer_report(name: str, dis: list[PDRecord], stats: dict, col: list[PDRecord], is_long: list[bool],
+                    num_layers: int) -> None:
+    """One disaggregated run: its TTFT split, the KV it moved and that KV's price on a link, its fallbacks."""
+    print(f"\n{name}: TTFT split (mean ms; the three add up to the TTFT)")
     print(f"  {'':12}{'prefill':>9}{'transfer':>9}{'1st decode':>11}{'TTFT':>9}   colocated TTFT")
     for label, want in (("chats", False), ("long", True)):
-        parts = [ttft_split(r) for r, lg in zip(dis, is_long) if lg == want]
-        parts = [p for p in parts if p is not None]
+        parts = [p for r, lg in zip(dis, is_long) if lg == want and (p := ttft_split(r)) is not None]
         col_ttft = [r.token_times[0] - r.start for r, lg in zip(col, is_long) if lg == want]
         if parts:
             a, b, c = zip(*parts)
             print(f"  {label:12}{ms(a):>9}{ms(b):>9}{ms(c):>11}{ms([x + y + z for x, y, z in parts]):>9}   "
                   f"{ms(col_ttft)}")
-    streamed = [r.transfer["first_layer"] < r.prefill_done for r in dis if r.transfer]
+    streamed = [r.transfer["first_layer"] < r.prefill_done for r in dis if r.transfer and r.prefill_done]
     print(f"  layer 0 was in the decode pool before the prefill step ended for {sum(streamed)}/{len(streamed)} "
           f"requests (layer-by-layer streaming)")
-
     moved = [(r.prompt_len, r.transfer["bytes"]) for r in dis if r.transfer]
-    stats = runs["disaggregated"][1]
-    print(f"\nKV moved per request (measured in the decode pool): mean {np.mean([b for _, b in moved]) / 2**10:.0f} KiB, "
-          f"{sum(b for _, b in moved) / sum(n for n, _ in moved) / 2**10:.1f} KiB per prompt token; "
-          f"saved {stats['prefill']['bytes_saved'] / 2**20:.1f} MiB, loaded "
-          f"{stats['decode']['bytes_loaded'] / 2**20:.1f} MiB" if moved and "prefill" in stats else
-          "\nKV moved: none (every transfer failed)")
-    num_layers = ModelConfig.from_pretrained(folder).num_layers
     if moved:
-        print(f"link model (computed from those bytes, not measured): ms = bytes x 8 / bandwidth + one message per "
+        print(f"  KV moved per request (counted as it lands in the decode pool): mean "
+              f"{np.mean([b for _, b in moved]) / 2**10:.0f} KiB, "
+              f"{sum(b for _, b in moved) / sum(n for n, _ in moved) / 2**10:.1f} KiB per prompt token; "
+              f"sent {stats.get('prefill', {}).get('bytes_saved', 0) / 2**20:.1f} MiB in all")
+        print(f"  link model (computed from those bytes, not measured): bytes x 8 / bandwidth + one message per "
               f"layer x {LATENCY_US:.0f} us")
-        print(f"  {'':22}" + "".join(f"{f'{g} Gbit/s':>12}" for g in LINKS_GBIT))
+        print(f"  {'':20}" + "".join(f"{f'{g} Gbit/s':>12}" for g in LINKS_GBIT))
         for label, want in (("a chat", False), ("a long prompt", True)):
             b = [r.transfer["bytes"] for r, lg in zip(dis, is_long) if lg == want and r.transfer]
             if b:
-                print(f"  {label:22}" + "".join(f"{link_ms(np.mean(b), num_layers, g):9.2f} ms" for g in LINKS_GBIT))
-
+                print(f"  {label:20}" + "".join(f"{link_ms(np.mean(b), num_layers, g):9.2f} ms" for g in LINKS_GBIT))
     fallbacks = [r for r in dis if r.fallback]
-    print(f"\nfallbacks (prompt recomputed on the decode engine): {len(fallbacks)}"
-          + "".join(f"\n  request {r.rid}: {r.fallback}" for r in fallbacks))
-    for mode, (_, st, _) in runs.items():
-        print(f"  {mode}: " + ", ".join(f"{role} {s['free_blocks']}/{s['num_blocks']} blocks free"
-                                        for role, s in st.items()) + " after the run")
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    for mode, (_, _, tls) in runs.items():
-        problems = validate_trace(chrome_trace(tls))
-        trace = write_chrome_trace(tls, args.out / f"trace_{mode}.json")
-        png = draw_png(tls, args.out / f"timeline_{mode}.png", title=f"{mode}: {len(reqs)} requests")
-        print(f"timeline ({mode}): {'valid' if not problems else problems[:2]} {trace}, {png}")
+    print(f"  fallbacks (prompt recomputed on the decode engine): {len(fallbacks)}"
+          + "".join(f"\n    request {r.rid}: {r.fallback}" for r in fallbacks))
 
 
 if __name__ == "__main__":
