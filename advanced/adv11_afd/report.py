@@ -12,7 +12,7 @@ CONTEXTS = (64, 512, 4096)        # tokens of KV per sequence at which the balan
 
 def report(runs, args, dtype, cfg, ffn_counts) -> None:
     base = next(iter(runs.values()))
-    gen = args.requests * args.max_tokens
+    gen = args.generated
     print(f"\n{'variant':<26}{'wall time':>34}{'tokens/s':>10}   identical to one process")
     for name, t in runs.items():
         same = sum(a == b for a, b in zip(t.result["outputs"], base.result["outputs"]))

@@ -57,11 +57,16 @@ def one_decode_step(timelines: list[Timeline]) -> tuple[list[Timeline], int]:
             for tl in timelines], k
 
 
-def workload_prompts(tok, n: int) -> list[list[int]]:
-    """n chat requests whose contexts differ (0 to 7 copies of a short document before the question),
-    so that the attention fit sees how its time grows with the KV it reads."""
+def workload(tok, n: int, max_tokens: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n chat requests whose contexts grow with i (0 to 7 copies of a short document before the
+    question) and whose lengths differ (max_tokens, 3/4, 1/2, 1/4 of it in turn, ignore_eos: the same
+    work in every variant). The decode batch shrinks as requests finish and its micro-batches read
+    different amounts of KV, so the cost model can tell tokens from KV tokens."""
     doc = " ".join(QUESTIONS)
-    return [chat_prompt_ids(tok, f"{(doc + ' ') * (i % 8)}{QUESTIONS[i % len(QUESTIONS)]}") for i in range(n)]
+    prompts = [chat_prompt_ids(tok, f"{(doc + ' ') * ((8 * i) // n)}{QUESTIONS[i % len(QUESTIONS)]}") for i in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=max(1, max_tokens - (i % 4) * max_tokens // 4), ignore_eos=True)
+              for i in range(n)]
+    return prompts, params
 
 
 def main() -> None:
@@ -77,12 +82,12 @@ def main() -> None:
     dtype, folder, model, tok = start_lesson(args)
     cores = args.threads or os.cpu_count() or 1
     ffn_counts = [int(n) for n in args.ffn.split(",")]
-    prompts = workload_prompts(tok, args.requests)
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)   # equal work everywhere
+    prompts, sp = workload(tok, args.requests, args.max_tokens)
+    args.generated = sum(p.max_tokens for p in sp)
     config = PagedSchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=256, block_size=16,
                                   kv_cache_bytes=64 * 2**20)
     print(f"workload: {len(prompts)} chat requests, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"tokens, {args.max_tokens} greedy tokens each; prompts chunked by {config.max_num_batched_tokens} tokens")
+          f"tokens, {min(p.max_tokens for p in sp)}-{args.max_tokens} greedy tokens each; prompts chunked by {config.max_num_batched_tokens} tokens")
     single = build_engine(model, config, use_graph=False)
     runs = compare({f"one process, {cores} threads": one_process(single, cores, prompts, sp),
                     "one process, 1 thread": one_process(single, 1, prompts, sp)}, repeats=args.repeats)
