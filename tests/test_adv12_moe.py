@@ -191,7 +191,8 @@ def test_bad_engine_arguments_fail_before_any_process(tiny_moe, no_leftovers):
     with pytest.raises(ValueError, match="sparse layers are"):
         EPEngine(tiny_moe, CFG, expert_parallel_size=2, placements={0: static_placement(8, 2)})
     with pytest.raises(ValueError, match="for 4 ranks"):
-        EPEngine(tiny_moe, CFG, expert_parallel_size=2, placements={0: static_placement(8, 4), 2: static_placement(8, 4)})
+        EPEngine(tiny_moe, CFG, expert_parallel_size=2,
+                 placements={0: static_placement(8, 4), 2: static_placement(8, 4)})
 
 
 def _one_process(folder, prompts) -> list[list[int]]:
@@ -242,4 +243,5 @@ def test_torchrun_two_nodes_on_loopback(tiny_moe, tmp_path, no_leftovers):
     import json
     from tests.processes import torchrun_tokens
     prompts = _prompts(256, (12, 3, 20))
-    assert torchrun_tokens(tmp_path, TORCHRUN_SCRIPT, str(tiny_moe), json.dumps(prompts)) == _one_process(tiny_moe, prompts)
+    ref = _one_process(tiny_moe, prompts)
+    assert torchrun_tokens(tmp_path, TORCHRUN_SCRIPT, str(tiny_moe), json.dumps(prompts)) == ref

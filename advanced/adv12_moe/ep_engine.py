@@ -133,7 +133,8 @@ class EPEngine(Engine):
             or "Traceback" in report or "connection lost" in report
         if isinstance(error, KeyboardInterrupt) or not blamed:
             return error
-        return WorkerFailed(f"expert-parallel step failed on rank 0 with: {error}\nworker report:\n{report or '(none)'}")
+        return WorkerFailed(f"expert-parallel step failed on rank 0 with: {error}\n"
+                            f"worker report:\n{report or '(none)'}")
 
     def close(self, wait_s: float = 5.0) -> None:
         """Stop the workers, leave the process group, restore rank 0's thread count. Idempotent."""

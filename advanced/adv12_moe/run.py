@@ -81,7 +81,8 @@ def time_row(name: str, runs: list[tuple[float, float]], steps: int, collectives
 
 def loads_line(name: str, placements: dict[int, Placement], counts: torch.Tensor, layers: list[int]) -> str:
     per_layer = [balancedness(placements[layer].rank_loads(counts[i])) for i, layer in enumerate(layers)]
-    return f"  {name:<44} " + " ".join(f"{b:6.3f}" for b in per_layer) + f"   mean {sum(per_layer) / len(per_layer):.3f}"
+    mean = sum(per_layer) / len(per_layer)
+    return f"  {name:<44} " + " ".join(f"{b:6.3f}" for b in per_layer) + f"   mean {mean:.3f}"
 
 
 def main() -> None:
