@@ -22,7 +22,7 @@ from advanced.adv13_linear_attention.checkpoint import build_hybrid_checkpoint
 from advanced.adv13_linear_attention.config import FULL, LINEAR, HybridConfig
 from advanced.adv13_linear_attention.engine import build_hybrid_engine, kv_bytes_held, state_bytes_held
 from advanced.adv13_linear_attention.model import HybridLM, load_hybrid
-from advanced.adv13_linear_attention.prefix_state import build_state_prefix_engine
+from advanced.adv13_linear_attention.prefix_state import build_state_prefix_engine, copy_slots
 
 SHAPE = dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -69,12 +69,11 @@ def measure(model: HybridLM, context: int, batch: int, steps: int) -> dict:
 def checkpoint_copy_seconds(model: HybridLM, repeats: int = 20) -> float:
     """Time to copy one sequence's whole state (every linear layer's conv and delta state): what
     saving a prefix checkpoint costs in time."""
-    engine = build_hybrid_engine(model, PagedSchedulerConfig(block_size=BLOCK, max_num_seqs=2, kv_cache_bytes=2**20))
-    pool = engine.state_pool
+    engine = build_state_prefix_engine(model, PagedSchedulerConfig(block_size=BLOCK, max_num_seqs=2,
+                                                                   kv_cache_bytes=2**20), checkpoints=1)
     t = time.perf_counter()
     for _ in range(repeats):
-        saved = [c[0].clone() for c in pool.conv] + [d[0].clone() for d in pool.delta]
-    assert len(saved) == 2 * len(pool.conv)
+        copy_slots(engine.state_pool, engine.checkpoint_pool, [(0, 0)])
     return (time.perf_counter() - t) / repeats
 
 
