@@ -99,7 +99,7 @@ def build_hybrid_engine(model: HybridLM, config: PagedSchedulerConfig | None = N
 
 
 def kv_bytes_held(engine: HybridEngine) -> int:
-    """Bytes of KV blocks the running sequences hold right now."""
+    """Bytes of KV blocks the running sequences hold at this point."""
     pool = engine.kv_pool
     per_block = sum(t[0].numel() * t.element_size() for t in pool.k + pool.v)
     return engine.scheduler.num_used_blocks * per_block

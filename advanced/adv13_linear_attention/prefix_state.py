@@ -1,7 +1,7 @@
 """Prefix caching for the hybrid: lesson 13's block hashes plus a state checkpoint per boundary.
 
 A hit on a cached prefix of k blocks may resume at token k * block_size only if the DeltaNet
-layers' state after exactly that token was kept. So:
+layers' state after exactly that token is kept. So:
 
     after a step   a sequence whose computed tokens end on a block boundary has its state
                    copied from its slot to a checkpoint slot, named by that block's hash
@@ -157,7 +157,7 @@ class StatePrefixEngine(HybridEngine):
 
     @property
     def checkpoint_bytes(self) -> int:
-        """Bytes of the checkpoints held now."""
+        """Bytes of the checkpoints held at this point."""
         return len(self.scheduler.checkpoints.slot_of_hash) * self.checkpoint_pool.bytes_per_slot
 
 
