@@ -36,8 +36,7 @@ from step17_tensor_parallel.launch import NodeLaunch, check_torchrun_world
 from step17_tensor_parallel.workers import WorkerFailed, WorkerSet
 from advanced.adv12_moe.config import MoEConfig
 from advanced.adv12_moe.eplb import Placement, static_placement
-from advanced.adv12_moe.ep_worker import (STARTUP_TIMEOUT_S, EPWorkerSpec, ep_worker_main, placements_message,
-                                          prepare_rank, run_flags)
+from advanced.adv12_moe.ep_worker import EPWorkerSpec, ep_worker_main, placements_message, prepare_rank, run_flags
 
 
 def check_placements(cfg: MoEConfig, ep: int, placements: dict[int, Placement] | None) -> dict[int, Placement]:
@@ -63,7 +62,8 @@ class EPEngine(Engine):
         (rebalance_experts' output; default: static_placement). launch: where the ranks run
         (lesson 17's NodeLaunch; default: this machine). fast_path: lesson 16's model transforms.
         router_bias: [sparse layers, E] added to the router logits on every rank (model.set_router_bias:
-        a skewed router for measurements)."""
+        a skewed router for measurements). timeout_s: how long a collective waits for a silent rank
+        before it fails (lesson 17's)."""
         folder = check_model_dir(Path(model))
         cfg, ep = MoEConfig.from_pretrained(folder), expert_parallel_size
         if ep < 1:
@@ -98,7 +98,7 @@ class EPEngine(Engine):
                 if launch.multi_node or launch.torchrun:
                     nodes = {n: [r for r in range(ep) if launch.node_of(r, ep) == n] for n in range(launch.nnodes)}
                     print(f"[minivllm] all {ep} expert-parallel ranks joined; ranks per node: {nodes}", flush=True)
-                parallel.init_group(ws.store, 0, ep, max(timeout_s, STARTUP_TIMEOUT_S))
+                parallel.init_group(ws.store, 0, ep, timeout_s)
                 for conn in self.conns:
                     conn.send((placements_message(self.placements), cfg.num_experts, router_bias))
             model, weights = prepare_rank(str(folder), dtype, 0, ep, self.placements, fast_path, router_bias)

@@ -29,9 +29,6 @@ from advanced.adv12_moe.eplb import Placement, placement_from_map
 from advanced.adv12_moe.ep import ExpertParallel
 from advanced.adv12_moe.model import load_moe_model, moe_layers, set_router_bias
 
-STARTUP_TIMEOUT_S = 120.0    # a busy machine may take long to start every process and join
-
-
 @dataclass
 class EPWorkerSpec:
     folder: str
@@ -93,7 +90,7 @@ def ep_worker_main(spec: EPWorkerSpec) -> None:
         torch.set_num_threads(spec.threads)
         torch.set_grad_enabled(False)
         _, conn = join_rank0(spec.rank, spec.world, spec.port, spec.master_addr, spec.flags(), spec.who(),
-                             spec.rendezvous_timeout_s, max(spec.timeout_s, STARTUP_TIMEOUT_S))
+                             spec.rendezvous_timeout_s, spec.timeout_s)
         state.conn = conn
         placements_msg, num_experts, router_bias = conn.recv()
         placements = placements_from_message(placements_msg, num_experts)
