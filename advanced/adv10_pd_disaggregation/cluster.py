@@ -58,7 +58,7 @@ class PDRecord:
     rid: int
     prompt_len: int
     start: float = 0.0
-    prefill_done: float | None = None         # the prefill engine's token is out (all layers saved)
+    prefill_done: float | None = None         # the prefill engine handed over its last layer
     transfer: dict | None = None              # decode side: when the layers landed, bytes
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)

@@ -89,7 +89,7 @@ class ConnectorScheduler:
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed: int) -> int:
         """Prompt tokens the remote side holds beyond the `num_computed` found locally. Every
         prompt token but the last: the decode engine computes that one itself, which gives it
-        the logits of its first token (vLLM's P/D connectors do the same)."""
+        the logits of its first token (lesson 13's prefix cache leaves it to compute likewise)."""
         p = self.params.get(seq.seq_id)
         if p is None or p.role != "consumer" or seq.seq_id in self.consumed:
             return 0

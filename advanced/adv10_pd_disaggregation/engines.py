@@ -197,9 +197,11 @@ class DecodeEngine(Engine):
         return sampled
 
     def has_runnable(self) -> bool:
-        """Work a step would do now (loads in flight alone are not: they are waited on instead)."""
-        s = self.scheduler
-        return bool(s.waiting or s.running or s.arrived)
+        """Work a step would do now (requests arrived or loading are not: they are waited on)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def has_transfers(self) -> bool:
+        return bool(self.scheduler.arrived or self.scheduler.loading)
 
 
 def build_pd_engine(model: nn.Module, role: str, make_worker: MakeWorker | None = None,

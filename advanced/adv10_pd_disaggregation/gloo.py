@@ -45,6 +45,7 @@ class GlooConnectorWorker(ConnectorWorker):
         self.sending: list[tuple[dist.Work, torch.Tensor]] = []
         self._saves: list[SaveSpec] = []
         self.bytes_saved = self.bytes_loaded = self.save_errors = 0
+        self.saved_at: dict[int, float] = {}      # request -> when its latest layer was handed over
         self.timeline = timeline
         self.receiver_error: str | None = None
         if role == "decode":
@@ -116,6 +117,7 @@ class GlooConnectorWorker(ConnectorWorker):
                 continue
             nbytes = kv.numel() * kv.element_size()
             self.bytes_saved += nbytes
+            self.saved_at[spec.req_id] = time.perf_counter()
             if self.timeline is not None:
                 self.timeline.add(f"save L{layer}", "send", t0, time.perf_counter_ns(), req=spec.req_id, bytes=nbytes)
 

@@ -5,7 +5,8 @@
                                ("timeline",) | b"" (stop)
     engine --pipe--> launcher: ("ready", facts) once, or ("error", traceback) before it exits;
         prefill: ("started", [rid], t) when a prompt's last step begins (its layers start to ship),
-                 ("prefilled", rid, token, t) when it is done (every layer it will send is out)
+                 ("prefilled", rid, token, t) after that step (every layer it will send is out;
+                 t: when the last one was handed to the transport)
         decode / colocated: ("tokens", [(rid, token, t, finished, transfer facts)]) after each step,
                  ("fallback", rid, reason, tokens recomputed) when a transfer is given up
 
@@ -158,8 +159,9 @@ def prefill_loop(engine: PrefillEngine, conn: Connection, tl: Timeline, fault: d
             with tl.span("prefill step", "compute") as args:
                 sampled = engine.step()
                 args["requests"] = [rid_of[s.seq_id] for s in sampled]
-            for seq in sampled:
-                conn.send(("prefilled", rid_of.pop(seq.seq_id), seq.token_ids[-1], time.perf_counter()))
+            for seq in sampled:             # when its last layer was handed to the transport
+                rid = rid_of.pop(seq.seq_id)
+                conn.send(("prefilled", rid, seq.token_ids[-1], engine.worker.saved_at.pop(rid, time.perf_counter())))
 
 
 def decode_loop(engine, conn: Connection, tl: Timeline, fault: dict[str, int]) -> None:
@@ -169,7 +171,7 @@ def decode_loop(engine, conn: Connection, tl: Timeline, fault: dict[str, int]) -
     reported = 0
     while True:
         busy = engine.has_runnable() if is_decode else engine.has_unfinished()
-        loading = is_decode and bool(engine.worker.open)
+        loading = is_decode and engine.has_transfers()
         t0 = time.perf_counter_ns()
         # Nothing to compute but loads in flight: the pipe is watched for LOAD_WAIT_S (no CPU
         # spent), then the store is looked at once; a spinning reader would slow the prefill

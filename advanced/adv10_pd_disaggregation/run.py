@@ -78,14 +78,14 @@ def as_record(r: PDRecord) -> RequestRecord:
 
 
 def ttft_split(r: PDRecord) -> tuple[float, float, float] | None:
-    """(prefill, transfer, first decode) seconds, adding up to the TTFT: the prefill until the
-    prefill engine's step ended; the transfer until the last layer was in the decode pool (zero
-    when it landed while the prefill step was still running: streamed); then the first decode."""
+    """(prefill, transfer, first decode) seconds, adding up to the TTFT: the prefill (queue and
+    compute) until the prefill engine handed over the last layer; the transfer until that layer
+    was in the decode pool (the earlier layers travelled during the prefill: streamed); then the
+    decode engine's first step for the request, queueing for it included."""
     if r.transfer is None or r.prefill_done is None:
         return None
-    prefill_end = r.prefill_done
-    landed = max(prefill_end, r.transfer["landed"])
-    return prefill_end - r.start, landed - prefill_end, r.token_times[0] - landed
+    landed = max(r.prefill_done, r.transfer["landed"])
+    return r.prefill_done - r.start, landed - r.prefill_done, r.token_times[0] - landed
 
 
 def ms(values) -> str:
@@ -168,8 +168,8 @@ def transfer_report(name: str, dis: list[PDRecord], stats: dict, col: list[PDRec
             print(f"  {label:12}{ms(a):>9}{ms(b):>9}{ms(c):>11}{ms([x + y + z for x, y, z in parts]):>9}   "
                   f"{ms(col_ttft)}")
     streamed = [r.transfer["first_layer"] < r.prefill_done for r in dis if r.transfer and r.prefill_done]
-    print(f"  layer 0 was in the decode pool before the prefill step ended for {sum(streamed)}/{len(streamed)} "
-          f"requests (layer-by-layer streaming)")
+    print(f"  layer 0 was in the decode pool before the prefill engine handed over the last layer for "
+          f"{sum(streamed)}/{len(streamed)} requests (layer-by-layer streaming)")
     moved = [(r.prompt_len, r.transfer["bytes"]) for r in dis if r.transfer]
     if moved:
         print(f"  KV moved per request (counted as it lands in the decode pool): mean "

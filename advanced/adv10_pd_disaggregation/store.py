@@ -85,6 +85,7 @@ class StoreConnectorWorker(ConnectorWorker):
         self.open: dict[int, OpenLoad] = {}
         self._saves: list[SaveSpec] = []
         self.bytes_saved = self.bytes_loaded = self.save_errors = 0
+        self.saved_at: dict[int, float] = {}      # request -> when its latest layer was handed over
         self.timeline = timeline
 
     # ---- decode side ---------------------------------------------------------------------------
@@ -137,6 +138,7 @@ class StoreConnectorWorker(ConnectorWorker):
                 self.save_errors += 1                 # the reader gave up and removed the folder
                 continue
             self.bytes_saved += nbytes
+            self.saved_at[spec.req_id] = time.perf_counter()
             if self.timeline is not None:
                 self.timeline.add(f"save L{layer}", "send", t0, time.perf_counter_ns(), req=spec.req_id, bytes=nbytes)
 
