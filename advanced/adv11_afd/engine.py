@@ -65,7 +65,7 @@ class AFDEngine(Engine):
         if launch.torchrun or launch.node_rank != 0:
             raise ValueError("AFDEngine runs on node 0 and spawns or admits its FFN ranks itself (torchrun: not built)")
         self.world, self.n_ffn, self.timeout_s, self.closed = 1 + num_ffn, num_ffn, timeout_s, False
-        self.timeline = Timeline(0, "attention (rank 0): scheduler, KV cache, attention halves, LM head, sampler")
+        self.timeline = Timeline(0, "attention side (rank 0)")
         self._threads_before = torch.get_num_threads()
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // len(launch.local_ranks(self.world)))
         torch.set_num_threads(threads)

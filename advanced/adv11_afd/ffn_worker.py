@@ -102,7 +102,7 @@ def ffn_worker_main(spec: FFNSpec) -> None:
 
 
 def serve(spec: FFNSpec, conn: Connection, model: FFNSide) -> None:
-    hidden, tl = model.config.hidden_size, Timeline(spec.rank, f"FFN rank {spec.rank} (MLP of every layer)")
+    hidden, tl = model.config.hidden_size, Timeline(spec.rank, f"FFN side (rank {spec.rank})")
     sends: deque = deque()            # (work, tensor): a tensor must outlive its send
     fault, count = _fault(spec), 0
     while True:

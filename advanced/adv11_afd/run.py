@@ -44,16 +44,17 @@ def trace_name(variant: str) -> str:
     return f"trace_{ratio.replace(':', 'to')}_m{m}.json"
 
 
-def one_decode_step(timelines: list[Timeline]) -> tuple[list[Timeline], int]:
-    """The same ranks with only the spans of one decode step (a step of the fewest tokens, from the
-    middle of those): readable, where the whole run is thousands of spans."""
+def one_decode_step(timelines: list[Timeline], layers: int = 4) -> tuple[list[Timeline], int]:
+    """The same ranks with only the first `layers` layers of one decode step (a step of the fewest
+    tokens, from the middle of those): readable, where the whole run is thousands of spans."""
     tokens: dict[int, int] = {}
     for s in timelines[0].spans:
         if "kv_tokens" in s.args and s.args["layer"] == 0:
             tokens[s.args["step"]] = tokens.get(s.args["step"], 0) + s.args["tokens"]
     fewest = sorted(k for k, n in tokens.items() if n == min(tokens.values()))
     k = fewest[len(fewest) // 2]
-    return [Timeline(tl.rank, tl.name, [s for s in tl.spans if s.args.get("step") == k], tl.offset_ns)
+    return [Timeline(tl.rank, tl.name, [s for s in tl.spans if s.args.get("step") == k
+                                        and s.args.get("layer", layers) < layers], tl.offset_ns)
             for tl in timelines], k
 
 
@@ -111,7 +112,7 @@ def main() -> None:
                                  .as_posix() + ("" if not problems else f" (invalid: {problems[:2]})"))
             few, k = one_decode_step(tls)
             png = draw_png(few, args.out / trace_name(name).replace("trace_", "timeline_").replace(".json", ".png"),
-                           title=f"{name}: decode step {k}, one row per process")
+                           title=f"{name}: layers 0-3 of decode step {k}")
             t.result["trace"] += f", {png.as_posix()}"
     report(runs, args, dtype, model.config, ffn_counts)
 
