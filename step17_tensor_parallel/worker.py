@@ -131,7 +131,7 @@ def worker_main(spec: WorkerSpec) -> None:
         model = load_tp_model(spec.folder, spec.rank, spec.world, spec.dtype)
         weight_bytes = model_bytes(model)
         if spec.pack_weights:
-            pack_linears(model)
+            model = pack_linears(model)             # a new model: the packed one is what runs
         num_blocks, block_size, backend_name = conn.recv()
         backend = choose_backend(backend_name)
         pool = backend.pool_class(model.config, num_blocks, block_size, spec.dtype)
