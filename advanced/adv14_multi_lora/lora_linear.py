@@ -14,7 +14,8 @@ A for all slots in one tensor [slots, max_rank, in] and B^T (scaling folded in) 
                     over tokens. Work = the rows' own ranks; cost grows with adapters present.
   stacked   (BGMV)  every row against every slot at once: x @ [A_0 | A_1 | ...]^T, zero
                     all but the row's own slot's r columns, @ [B_0^T; B_1^T; ...]: two matmuls
-                    per layer whatever the number of adapters, at slots x the shrink work.
+                    per layer whatever the number of adapters, at S x the shrink work (S: the
+                    slots up to the highest in use).
                     Made for decode steps (few rows); a prompt chunk of 500 rows pays slots x.
 
 A row without an adapter gets nothing added (segments) or + 0.0 (stacked): its numbers are the base's.
@@ -38,7 +39,7 @@ class LoRAMapping:
     """One step's rows grouped by slot: what every LoRALinear of the step reads."""
     order: Tensor                          # [N] rows that use an adapter, sorted by slot
     segments: list[tuple[int, int, int]]   # (slot, start, end): order[start:end] use that slot
-    onehot: Tensor | None = None           # stacked: [T, slots, 1], 1 at each row's slot
+    onehot: Tensor | None = None           # stacked: [T, S, 1], 1 at each row's slot (S: highest used + 1)
 
     @classmethod
     def build(cls, row_slots: Tensor, num_slots: int, stacked: bool, dtype: torch.dtype) -> "LoRAMapping | None":
@@ -52,9 +53,11 @@ class LoRAMapping:
         segments = [(s, e - c, e) for s, c, e in zip(slots.tolist(), counts.tolist(), ends)]
         onehot = None
         if stacked:
-            onehot = torch.zeros(row_slots.numel(), num_slots + 1, dtype=dtype)
+            # Only slots 0 .. highest used take part (slots are handed out lowest first).
+            used = segments[-1][0] + 1
+            onehot = torch.zeros(row_slots.numel(), used + 1, dtype=dtype)
             onehot[torch.arange(row_slots.numel()), row_slots] = 1        # -1 lands in the extra column
-            onehot = onehot[:, :num_slots, None]
+            onehot = onehot[:, :used, None]
         return cls(rows[perm], segments, onehot)
 
 
@@ -91,10 +94,10 @@ class LoRALinear(nn.Module):
         if m is None:
             return y
         if m.onehot is not None:                                  # stacked: two matmuls, all slots
-            S, R = self.lora_a.shape[:2]
-            shrink = x @ self.lora_a.view(S * R, -1).t()          # [T, S*R]
+            S, R = m.onehot.shape[1], self.lora_a.shape[1]        # slots 0..S-1: a leading slice, no copy
+            shrink = x @ self.lora_a[:S].view(S * R, -1).t()      # [T, S*R]: every row, every slot
             shrink = (shrink.view(-1, S, R) * m.onehot).view(-1, S * R)
-            return y.add_(shrink @ self.lora_bt.view(S * R, -1))
+            return y.add_(shrink @ self.lora_bt[:S].view(S * R, -1))
         xs = x.index_select(0, m.order)                           # rows grouped by slot
         delta = torch.zeros(xs.shape[0], self.out_features, dtype=y.dtype)
         for slot, start, end in m.segments:                       # segments: one pair per adapter

@@ -1,0 +1,69 @@
+"""Adapters for the lesson's run: PEFT folders written with peft on the spot.
+
+No fine-tuned LoRA of SmolLM2 or Qwen3 can be downloaded here, so these are made, not trained:
+peft's LoraConfig + get_peft_model + save_pretrained write one folder per shape (rank, target
+modules), with lora_B drawn at random (peft starts it at zero: an untrained adapter changes
+nothing); further adapters of the same shape are those folders with A and B drawn again from a
+fixed seed. What they say is noise around the base model; what they cost is what real ones of
+the same ranks and targets cost.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+# (rank, target modules): an attention-only adapter of rank 8 and an everywhere one of rank 16.
+SHAPES = [(8, ["q_proj", "v_proj"]),
+          (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])]
+
+
+def peft_template(base_dir: Path, out: Path, rank: int, targets: list[str], seed: int, b_std: float) -> Path:
+    """One adapter folder from peft itself (its config, its tensor names and shapes)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * b_std)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def redraw(template: Path, out: Path, seed: int, b_std: float) -> Path:
+    """A copy of `template` with every A and B drawn again (A as peft draws it: uniform, 1/sqrt(in))."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(template / "adapter_config.json", out / "adapter_config.json")
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, t in sorted(load_file(template / "adapter_model.safetensors").items()):
+        if ".lora_A." in name:
+            bound = t.shape[1] ** -0.5
+            tensors[name] = (torch.rand(t.shape, generator=gen) * 2 - 1) * bound
+        else:
+            tensors[name] = torch.randn(t.shape, generator=gen) * b_std
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def make_adapters(base_dir: Path, root: Path, count: int, seed: int = 0, b_std: float = 0.02) -> list[Path]:
+    """`count` adapter folders under root, alternating SHAPES: adapter-00, adapter-01, ..."""
+    templates = [peft_template(base_dir, root / f"template-r{r}", r, t, seed + i, b_std)
+                 for i, (r, t) in enumerate(SHAPES)]
+    folders = []
+    for i in range(count):
+        folder = root / f"adapter-{i:02d}"
+        folders.append(redraw(templates[i % len(templates)], folder, seed + 100 + i, b_std))
+    return folders
+
+
+def describe(folder: Path) -> str:
+    config = json.loads((folder / "adapter_config.json").read_text())
+    return f"r={config['r']}, alpha={config['lora_alpha']}, {'/'.join(sorted(config['target_modules']))}"
