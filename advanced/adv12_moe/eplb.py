@@ -11,8 +11,8 @@ real run) and lays out *physical* expert slots, `slots_per_rank` on each rank:
        num_replicas - E slots, one at a time, to the expert whose load per replica is the
        highest (a replica takes an equal share of its expert's tokens);
     2. pack: sort the slots by their load, heaviest first, and put each on the least loaded
-       rank that still has a free slot (longest-processing-time-first, LPT: a greedy rule
-       whose makespan is within 4/3 of the best possible for identical machines).
+       rank that still has a free slot (longest-processing-time-first, LPT: a greedy rule;
+       without the slots-per-rank limit its busiest rank is within 4/3 of the best possible).
 
 DeepSeek's version does the same two steps, per layer, plus a level above (expert groups onto
 nodes first) that this lesson leaves out. The result is three maps, here per layer:
