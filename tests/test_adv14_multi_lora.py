@@ -251,3 +251,64 @@ def test_server_model_field_names_the_adapter(lora_setup, lora_llm):
             assert "`mlp-r8`" in r.json()["error"]["message"]
     finally:
         engine.shutdown()
+
+
+def test_lora_modules_flag_is_name_equals_path():
+    from advanced.adv14_multi_lora.server import parse_lora_modules
+
+    assert parse_lora_modules(["sql=/a/sql", "fr=/a/fr"]) == {"sql": "/a/sql", "fr": "/a/fr"}
+    with pytest.raises(ValueError, match="'sql' is not name=path"):
+        parse_lora_modules(["sql"])
+    with pytest.raises(ValueError, match="'sql' is given twice"):
+        parse_lora_modules(["sql=/a", "sql=/b"])
+
+
+# ---- slow: the real checkpoint, and the server built from its flags ------------------------------
+@pytest.mark.slow
+def test_smollm2_mixed_batch_equals_peft_merged_model(smol_dir, smol_fp32, smol_tokenizer, tmp_path):
+    from advanced.adv14_multi_lora.make_adapters import SHAPES, peft_template
+
+    requests = [LoRARequest(f"smol-r{r}", i + 1, str(peft_template(smol_dir, tmp_path / f"r{r}", r, t, i, 0.05)))
+                for i, (r, t) in enumerate(SHAPES)]
+    prompts = [smol_tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Bees make")]
+    engine = build_lora_engine(smol_fp32, PagedSchedulerConfig(max_num_seqs=8, kv_cache_bytes=32 * 2**20),
+                               max_loras=2, max_lora_rank=16)
+    jobs = [(p, lr) for p in range(len(prompts)) for lr in [*requests, None]]
+    seqs = [engine.add_request(prompts[p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), lora_request=lr)
+            for p, lr in jobs]
+    while engine.has_unfinished():
+        engine.step()
+    ours = {(p, lr.lora_name if lr else None): s.output_token_ids for (p, lr), s in zip(jobs, seqs)}
+    for lr in [*requests, None]:
+        name = lr.lora_name if lr else None
+        ref = hf_greedy(smol_dir, lr and Path(lr.lora_path), prompts, 12)
+        assert [ours[(p, name)] for p in range(len(prompts))] == [r[0] for r in ref], name
+    assert any(ours[(p, requests[1].lora_name)] != ours[(p, None)] for p in range(len(prompts)))
+
+
+@pytest.mark.slow
+def test_build_server_checks_adapters_at_start_and_lists_them(lora_setup, lora_llm, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from advanced.adv14_multi_lora.server import build_server
+
+    folder = str(lora_llm.model_dir)
+    modules = {"attn": lora_setup.requests[0].lora_path, "mlp": lora_setup.requests[1].lora_path}
+    with pytest.raises(FileNotFoundError, match="LoRA adapter 'broken': no adapter_config.json"):
+        build_server(folder, lora_modules={**modules, "broken": str(tmp_path)}, dtype="fp32", kv_cache_bytes=2**20)
+    app, engine = build_server(folder, lora_modules=modules, served_model_name="base", dtype="fp32", max_loras=1,
+                               max_lora_rank=8, kv_cache_bytes=2**20)
+    try:
+        with TestClient(app) as client:
+            assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["base", "attn", "mlp"]
+            for model, ref in (("mlp", "mlp-r8"), ("attn", "attn-r4"), ("base", None)):
+                body = {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                        "ignore_eos": True}
+                r = client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == lora_llm.tokenizer.decode(
+                    lora_setup.reference[ref][0][0], skip_special_tokens=True)
+        assert engine.llm.lora_stats().loads == 2             # one slot: mlp, then attn evicting it
+    finally:
+        engine.shutdown()
+        engine.llm.close()

@@ -90,12 +90,17 @@ def build_server(model: str | None = None, *, lora_modules: dict[str, str] | Non
     llm = LoRALLM(model, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, kv_cache_bytes=kv_cache_bytes)
     adapters = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate((lora_modules or {}).items())}
-    engine = AsyncLLM(llm, served_model_name, threaded, policy)
-    if engine.model_name in adapters:
-        raise ValueError(f"--lora-modules: {engine.model_name!r} is the base model's name")
-    for lr in adapters.values():
-        llm.register_lora(lr)
+    try:
+        base_name = served_model_name or str(llm.model_dir)      # what lesson 20's AsyncLLM will call it
+        if base_name in adapters:
+            raise ValueError(f"--lora-modules: {base_name!r} is the base model's name")
+        for lr in adapters.values():
+            llm.register_lora(lr)                                # a bad folder stops the start here
+    except BaseException:
+        llm.close()
+        raise
     arm_fault_marker(llm, fault_marker)
+    engine = AsyncLLM(llm, served_model_name, threaded, policy)
     completion, chat = request_classes(engine.model_name, adapters)
     app = build_app(engine, max_body_bytes=max_body_bytes, completion_request=completion, chat_request=chat)
     replace_models_route(app, engine, adapters)
