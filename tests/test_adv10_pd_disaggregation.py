@@ -299,6 +299,7 @@ def test_two_processes_give_the_colocated_tokens(tiny_qwen3_dir, colocated_token
     assert _all_full(stats) and stats["decode"]["fallbacks"] == 0
     names = {s.name for tl in timelines for s in tl.spans}
     assert {"prefill step", "decode step", "save L0", "load L1"} <= names
+    assert c.exit_codes == {"prefill": 0, "decode": 0} and not c.root.exists()
 
 
 @pytest.mark.slow
@@ -323,6 +324,7 @@ def test_gloo_transport_gives_the_colocated_tokens_and_counts_a_lost_layer(tiny_
                    transfer_timeout_s=2.0, start_timeout_s=WAIT_S) as c:
         recs = c.run(_requests(), WAIT_S)
         stats = c.stats()
+    assert c.exit_codes == {"prefill": 0, "decode": 0}                 # the receiver thread ended cleanly
     assert [r.token_ids for r in recs] == colocated_tokens
     assert [r.fallback is not None for r in recs] == [False, True, False, False]
     assert "layer 1 did not arrive within 2 s" in recs[1].fallback       # gloo: found by the timeout

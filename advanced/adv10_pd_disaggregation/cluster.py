@@ -246,6 +246,7 @@ class PDCluster:
     def close(self) -> None:
         """Stop every engine process (ask, then terminate, then kill) and remove the store."""
         shutdown(self.procs, self.conns, wait_s=5.0)
+        self.exit_codes = {role: p.exitcode for role, p in self.proc_of.items()}   # 0: a clean stop
         self.procs, self.conns = [], []
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)

@@ -48,8 +48,10 @@ class GlooConnectorWorker(ConnectorWorker):
         self.saved_at: dict[int, float] = {}      # request -> when its latest layer was handed over
         self.timeline = timeline
         self.receiver_error: str | None = None
+        self.receiver: threading.Thread | None = None
         if role == "decode":
-            threading.Thread(target=self._receive, name="kv-receiver", daemon=True).start()
+            self.receiver = threading.Thread(target=self._receive, name="kv-receiver", daemon=True)
+            self.receiver.start()
 
     # ---- decode side ---------------------------------------------------------------------------
     def _receive(self) -> None:
@@ -131,6 +133,12 @@ class GlooConnectorWorker(ConnectorWorker):
             except RuntimeError:
                 self.save_errors += 1                 # the decode process is gone
         self.sending = []
+
+    def receiver_stopped(self, timeout_s: float) -> bool:
+        """The decode side, on close: wait for the prefill's STOP to end the receiver thread."""
+        if self.receiver is not None:
+            self.receiver.join(timeout_s)
+        return self.receiver is None or not self.receiver.is_alive()
 
     def stop_receiver(self) -> None:
         """The prefill side, on close: end the decode process's receiver thread."""

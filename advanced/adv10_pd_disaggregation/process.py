@@ -36,6 +36,7 @@ from advanced.adv10_pd_disaggregation.store import KVStore, StoreConnectorWorker
 
 FAULT_KINDS = ("drop", "exit-prefill", "exit-decode")
 IDLE_WAIT_S = 0.05          # an idle engine checks its pipe this often
+STOP_WAIT_S = 3.0           # on close, how long the decode engine waits for the prefill's STOP
 LOAD_WAIT_S = 0.002         # a decode engine with only loads in flight looks at the store this often
 
 
@@ -178,6 +179,7 @@ def decode_loop(engine, conn: Connection, tl: Timeline, fault: dict[str, int]) -
         # process on the same machine.
         for msg in messages(conn, 0 if busy else LOAD_WAIT_S if loading else IDLE_WAIT_S):
             if msg is None:
+                stop_receiver_thread(engine)
                 return
             kind = msg[0]
             if kind == "add":
@@ -214,6 +216,15 @@ def decode_loop(engine, conn: Connection, tl: Timeline, fault: dict[str, int]) -
             for fb in engine.fallbacks[reported:]:
                 conn.send(("fallback", fb.req_id, fb.reason, fb.tokens_recomputed))
             reported = len(engine.fallbacks)
+
+
+def stop_receiver_thread(engine) -> None:
+    """A gloo receiver thread still inside a receive when the interpreter shuts down aborts the
+    process ("terminate called ..."). The prefill engine sends STOP as it closes; if the thread has
+    not ended within STOP_WAIT_S (the prefill is gone), leave at once, skipping the teardown."""
+    worker = getattr(engine, "worker", None)
+    if isinstance(worker, GlooConnectorWorker) and not worker.receiver_stopped(STOP_WAIT_S):
+        os._exit(0)
 
 
 def transfer_facts(engine, rid: int) -> dict | None:
