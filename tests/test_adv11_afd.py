@@ -21,6 +21,7 @@ from step09_continuous_batching.scheduler import ScheduledBatch
 from step09_continuous_batching.sequence import Sequence
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step16_cuda_graph.cpu.engine import build_engine
+from step17_tensor_parallel.control import RendezvousError
 from step17_tensor_parallel.launch import NodeLaunch
 from step17_tensor_parallel.worker import model_bytes
 from step17_tensor_parallel.workers import WorkerFailed
@@ -261,3 +262,17 @@ def test_the_ffn_side_on_another_node(tiny4, no_leftovers):
         assert node1.returncode == 0, out
     finally:
         kill_tree(node1)
+
+
+@pytest.mark.slow
+def test_a_node_started_for_another_ratio_is_refused(tiny4, no_leftovers):
+    port = free_port()
+    bad = start_node("advanced.adv11_afd.node", tiny4, port, "--num-ffn", "3")     # node 0 runs 1:1
+    try:
+        launch = NodeLaunch(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, rendezvous_timeout_s=20)
+        with pytest.raises(RendezvousError, match="world: node 0 has 2, this node has 4"):
+            AFDEngine(tiny4, _config(), dtype=torch.float32, launch=launch)
+        out = gone(bad)
+        assert bad.returncode == 2 and "refused by rank 0" in out, out
+    finally:
+        kill_tree(bad)
