@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from minivllm_support.cli import base_parser
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timeline import Timeline, chrome_trace, draw_png, validate_trace, write_chrome_trace
@@ -97,10 +95,10 @@ def main() -> None:
         with AFDEngine(folder, config, num_ffn=n_ffn, dtype=dtype, threads_per_rank=1,
                        launch=launch_from_args(args)) as engine:
             memory[n_ffn] = engine.rank_memory
-            ms = (1, 2) if n_ffn == 1 else (2,)
+            ms = (1, 2) if n_ffn == ffn_counts[0] else (2,)     # the first count's m=1 run fits the model
             runs.update(compare({f"AFD 1:{n_ffn}, m={m}": disaggregated(engine, m, prompts, sp) for m in ms},
                                 repeats=args.repeats))
-    print(f"\nprocesses: 1 attention + FFN processes, 1 torch thread each; weights per rank (MiB): " + "; ".join(
+    print("\nprocesses: 1 attention + FFN processes, 1 torch thread each; weights per rank (MiB): " + "; ".join(
         f"1:{n} {[round(r['weight_bytes'] / 2**20, 1) for r in mem]}" for n, mem in memory.items())
         + f" (one process: {round(sum(t.numel() * t.element_size() for t in model.parameters()) / 2**20, 1)})")
     args.out.mkdir(parents=True, exist_ok=True)
