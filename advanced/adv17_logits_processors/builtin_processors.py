@@ -43,6 +43,8 @@ class AllowedTokenIds(RowStateProcessor[Tensor]):
         return allowed
 
     def apply(self, logits: Tensor) -> Tensor:
+        if not self.states:
+            return logits
         rows = sorted(self.states)
         blocked = ~torch.stack([self.states[r] for r in rows]).to(logits.device)       # [R, V]
         idx = torch.tensor(rows, device=logits.device)
@@ -91,6 +93,8 @@ class LogitBias(RowStateProcessor[dict[int, float]]):
         return getattr(params, "logit_bias", None) or None
 
     def apply(self, logits: Tensor) -> Tensor:
+        if not self.states:
+            return logits
         rows, cols, vals = [], [], []
         for row, bias in self.states.items():
             rows += [row] * len(bias)
@@ -138,6 +142,8 @@ class EpsilonCutoff(RowStateProcessor[float]):
         return getattr(params, "epsilon_cutoff", 0.0) or None
 
     def apply(self, logits: Tensor) -> Tensor:
+        if not self.states:
+            return logits
         rows = sorted(self.states)
         idx = torch.tensor(rows, device=logits.device)
         eps = torch.tensor([self.states[r] for r in rows], device=logits.device).unsqueeze(1)
