@@ -10,10 +10,12 @@ the same ranks and targets cost.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 # (rank, target modules): an attention-only adapter of rank 8 and an everywhere one of rank 16.
@@ -64,6 +66,10 @@ def make_adapters(base_dir: Path, root: Path, count: int, seed: int = 0, b_std: 
     return folders
 
 
-def describe(folder: Path) -> str:
+def describe(folder: Path, base_params: int) -> str:
+    """'r=16, alpha=32, q_proj/..., 4.88 M numbers (3.6% of the base)': counted from the file."""
     config = json.loads((folder / "adapter_config.json").read_text())
-    return f"r={config['r']}, alpha={config['lora_alpha']}, {'/'.join(sorted(config['target_modules']))}"
+    with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as f:
+        count = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return (f"r={config['r']}, alpha={config['lora_alpha']}, {'/'.join(sorted(config['target_modules']))}: "
+            f"{count / 1e6:.2f} M numbers, {100 * count / base_params:.1f}% of the base")

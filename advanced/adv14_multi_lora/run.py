@@ -45,8 +45,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="adv14-") as tmp:
         folders = make_adapters(folder, Path(tmp), 16)
         adapters = [LoRARequest(f"adapter-{i:02d}", i + 1, str(f)) for i, f in enumerate(folders)]
-        print(f"adapters: 16 PEFT folders made with peft here (random B, seed 0), alternating "
-              f"[{describe(folders[0])}] and [{describe(folders[1])}]\n")
+        base_params = sum(p.numel() for p in model.parameters())
+        print(f"adapters: 16 PEFT folders made with peft here (random B, seed 0), alternating\n"
+              f"  [{describe(folders[0], base_params)}]\n  [{describe(folders[1], base_params)}]\n")
         samples(model, config, tok, adapters[:3], warm_prompt)
         throughput(model, config, prompts, adapters, args.max_tokens, warm_prompt, dtype)
         lru(model, config, prompts, adapters, args.max_tokens, warm_prompt)
