@@ -124,11 +124,11 @@ def test_lru_with_fewer_slots_than_adapters_gives_the_same_tokens(lora_setup, ma
 
 def test_mapping_groups_rows_by_slot():
     slots = torch.tensor([2, 2, -1, 0, 0, 0, 2, -1, 1])
-    m = LoRAMapping.build(slots, num_slots=3, stacked=True, dtype=torch.float32)
+    m = LoRAMapping.build(slots, stacked=True, dtype=torch.float32)
     assert [(s, e - b) for s, b, e in m.segments] == [(0, 3), (1, 1), (2, 3)]
     assert m.order.tolist() == [3, 4, 5, 8, 0, 1, 6]             # sorted by slot, stable within one
     assert m.onehot.shape == (9, 3, 1) and m.onehot[2].sum() == 0 and m.onehot[0, 2, 0] == 1
-    assert LoRAMapping.build(torch.tensor([-1, -1]), 3, False, torch.float32) is None
+    assert LoRAMapping.build(torch.tensor([-1, -1]), False, torch.float32) is None
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -32,9 +32,9 @@ class LoRASamplingParams(SamplingParams):
 
     @classmethod
     def of(cls, params: SamplingParams, lora_request: LoRARequest | None) -> "LoRASamplingParams":
-        """`params` (lesson 19's fields) with the adapter attached."""
+        """`params` (lesson 19's fields) with the adapter attached (None: the one `params` carries, if any)."""
         fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(SamplingParams)}
-        return cls(**fields, lora_request=lora_request)
+        return cls(**fields, lora_request=lora_request or getattr(params, "lora_request", None))
 
 
 class LoRALLM(LLM):

@@ -15,8 +15,9 @@ A for all slots in one tensor [slots, max_rank, in] and B^T (scaling folded in) 
   stacked   (BGMV)  every row against every slot at once: x @ [A_0 | A_1 | ...]^T, zero
                     all but the row's own slot's r columns, @ [B_0^T; B_1^T; ...]: two matmuls
                     per layer whatever the number of adapters, at S x the shrink work (S: the
-                    slots up to the highest in use).
-                    Made for decode steps (few rows); a prompt chunk of 500 rows pays slots x.
+                    slots up to the highest in use; a rank-8 adapter among rank-16 slots pays
+                    for its zero padding too). Made for decode steps (few rows); a prompt
+                    chunk of 500 rows would pay S x its shrink work.
 
 A row without an adapter gets nothing added (segments) or + 0.0 (stacked): its numbers are the base's.
 """
@@ -42,7 +43,7 @@ class LoRAMapping:
     onehot: Tensor | None = None           # stacked: [T, S, 1], 1 at each row's slot (S: highest used + 1)
 
     @classmethod
-    def build(cls, row_slots: Tensor, num_slots: int, stacked: bool, dtype: torch.dtype) -> "LoRAMapping | None":
+    def build(cls, row_slots: Tensor, stacked: bool, dtype: torch.dtype) -> "LoRAMapping | None":
         """row_slots [T]: each row's slot, -1 for the base model. None: no row uses an adapter."""
         rows = (row_slots >= 0).nonzero().squeeze(1)
         if rows.numel() == 0:

@@ -119,7 +119,7 @@ class LoRAManager:
         has num_tokens[i] consecutive rows."""
         per_seq = torch.tensor([-1 if n is None else self.resident[n] for n in names])
         slots = torch.repeat_interleave(per_seq, torch.tensor(num_tokens))
-        self.state.mapping = LoRAMapping.build(slots, self.max_loras, stacked, self.dtype)
+        self.state.mapping = LoRAMapping.build(slots, stacked, self.dtype)
 
     def clear_step(self) -> None:
         self.state.mapping = None
