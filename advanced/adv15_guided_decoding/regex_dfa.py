@@ -103,8 +103,9 @@ class _Parser:
             if self.p.startswith("?:", self.i):
                 self.i += 2
             node = self.alternation()
-            if self.take() != ")":
+            if self.peek() != ")":
                 self.fail("missing ')'")
+            self.i += 1
             return node
         if c == "[":
             return ("set", self.char_class())
