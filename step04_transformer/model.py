@@ -111,5 +111,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> float32 logits [N, vocab]. Call it only on rows you will sample from."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        if self.lm_head is None:                      # tied: the embedding matrix is the head
+            return (hidden @ self.model.embed_tokens.weight.t()).float()
+        return self.lm_head(hidden).float()           # a module: later lessons swap in packed linears

@@ -316,3 +316,17 @@ def test_bf16_smollm2_through_the_fast_paths_says_what_eager_says(smol_dir, smol
     kernels = ops.elementwise_library() is not None and packs
     assert all(getattr(layer.mlp, "kernels", False) == kernels for layer in engine.model.model.layers)
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == want
+
+
+@needs_kernel
+def test_untied_checkpoint_runs_with_its_head_packed(tmp_path):
+    """An untied model's lm_head is a linear like the others: packing it (lesson 14) and routing it
+    (this lesson) must leave the engines able to compute logits, with lesson 14's tokens."""
+    from minivllm_support.tiny import build_tiny_qwen3
+    model = load_model(build_tiny_qwen3(tmp_path / "untied", tie_word_embeddings=False), torch.float32)
+    assert model.lm_head is not None
+    prompts = _prompts(model, (3, 40, 9))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    config = _config(model, blocks=30)
+    ref = [s.output_token_ids for s in BatchedEngine(model, config, pack_weights=False).generate(prompts, sp)]
+    assert [s.output_token_ids for s in build_engine(model, config).generate(prompts, sp)] == ref
