@@ -212,3 +212,136 @@ def test_a_custom_processor_returning_the_wrong_shape_is_named():
     sampler.update_state(PersistentBatch().update([Req(params[0], [1])]))
     with pytest.raises(TypeError, match="logits processor must return"):
         sampler(torch.randn(1, V), params)
+
+
+# ---------------------------------------------------------------------------------- the real model
+@pytest.fixture(scope="module")
+def llm(smol_dir):
+    from advanced.adv17_logits_processors.engine import ProcessorLLM
+    with ProcessorLLM(smol_dir, dtype="fp32", enforce_eager=True, max_num_seqs=3) as llm:
+        yield llm
+
+
+def _chat(llm, text: str) -> list[int]:
+    return llm.chat_prompt_ids([{"role": "user", "content": text}])
+
+
+def _no_repeat(out: list[int], row: torch.Tensor) -> torch.Tensor:
+    """A custom per-request processor: never the same token twice in a row."""
+    return row.index_fill(0, torch.tensor(out[-1:], dtype=torch.long), float("-inf")) if out else row
+
+
+@pytest.mark.slow
+def test_batch_with_joins_and_leaves_equals_each_request_alone(llm):
+    """Six requests, three rows: they join and leave at different steps, each with its own
+    processors; every output equals that request run alone (fp32, greedy or seeded)."""
+    tok = llm.tokenizer
+    word = lambda w: tok.encode(w, add_special_tokens=False)[0]     # noqa: E731
+    params = [SamplingParams(temperature=0, max_tokens=3),
+              SamplingParams(temperature=0, max_tokens=6, logit_bias={word(" blue"): 6.0}),
+              SamplingParams(temperature=0, max_tokens=6, min_tokens=5),
+              SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[word(w) for w in
+                                                                              (" yes", " no", " maybe", ".")]),
+              SamplingParams(temperature=0, max_tokens=6, logits_processors=[_no_repeat]),
+              SamplingParams(temperature=0.8, max_tokens=4, epsilon_cutoff=0.02, seed=3)]
+    prompts = [_chat(llm, q) for q in ("Reply with one word: yes or no?", "What colour is the sky?",
+                                        "Hi", "Is water wet?", "Count: one one one one", "Tell me a story.")]
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, sp, out in zip(prompts, params, together):
+        one = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == one.outputs[0].token_ids
+    ids = together[4].outputs[0].token_ids
+    assert all(a != b for a, b in zip(ids, ids[1:]))
+    assert set(together[3].outputs[0].token_ids) <= set(params[3].allowed_token_ids)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.slow
+def test_min_tokens_holds_eos_back_and_equals_the_callable_version(llm):
+    prompt = {"prompt_token_ids": _chat(llm, "Reply with one word: yes or no?")}
+    eos = set(llm.engine.eos_ids)
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 8     # the model stops early by itself
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=8),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 8 and not eos & set(held.token_ids[:7])
+
+    def hold_eos(out, row):
+        return row.index_fill(0, torch.tensor(sorted(eos)), float("-inf")) if len(out) < 8 else row
+    by_hand = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, logits_processors=[hold_eos]),
+                           use_tqdm=False)[0].outputs[0]
+    assert by_hand.token_ids == held.token_ids
+
+
+@pytest.mark.slow
+def test_logprobs_stay_raw_under_processors(llm, smol_hf):
+    """Restricted to two tokens, the chosen token's logprob and the top-5 are the model's own."""
+    tok = llm.tokenizer
+    ids = _chat(llm, "Is this review positive or negative? 'A wonderful, moving film.'")
+    labels = [tok.encode(w, add_special_tokens=False)[0] for w in (" positive", " negative")]
+    plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                         use_tqdm=False)[0].outputs[0]
+    restricted = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, logprobs=5,
+                                                                        allowed_token_ids=labels, logit_bias={labels[1]: 0.5}),
+                              use_tqdm=False)[0].outputs[0]
+    chosen = restricted.token_ids[0]
+    assert chosen in labels
+    raw = smol_hf(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+    assert restricted.logprobs[0][chosen].logprob == pytest.approx(float(raw[chosen]), abs=1e-4)
+    top = {t: lp.logprob for t, lp in plain.logprobs[0].items()}
+    assert {t: lp.logprob for t, lp in restricted.logprobs[0].items() if t != chosen or t in top} == top
+
+
+# ---------------------------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def server(llm):
+    from openai import OpenAI
+
+    from advanced.adv17_logits_processors.server import (ChatCompletionRequest, CompletionRequest,
+                                                         ProcessorAsyncLLM)
+    from step20_http_serve.api import build_app
+    from step20_http_serve.server import ServerThread
+    engine = ProcessorAsyncLLM(llm, "smollm2-adv17")
+    app = build_app(engine, completion_request=CompletionRequest, chat_request=ChatCompletionRequest)
+    try:
+        with ServerThread(app) as url:
+            yield OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    finally:
+        engine.shutdown()
+
+
+REVIEW = [{"role": "user", "content": "Is this review positive or negative? 'Dull and far too long.'"}]
+
+
+@pytest.mark.slow
+def test_server_top_logprobs_unchanged_by_processors(server, llm):
+    tok = llm.tokenizer
+    labels = [tok.encode(w, add_special_tokens=False)[0] for w in (" positive", " negative")]
+    ask = dict(model="smollm2-adv17", messages=REVIEW, max_tokens=1, temperature=0, logprobs=True, top_logprobs=5)
+    plain = server.chat.completions.create(**ask)
+    forced = server.chat.completions.create(**ask, logit_bias={str(labels[0]): 100},
+                                            extra_body={"allowed_token_ids": labels})
+    first = lambda r: r.choices[0].logprobs.content[0]                  # noqa: E731
+    assert forced.choices[0].message.content == " positive"
+    assert [(t.token, t.logprob) for t in first(forced).top_logprobs] == \
+           [(t.token, t.logprob) for t in first(plain).top_logprobs]
+    assert first(forced).logprob <= first(plain).top_logprobs[0].logprob     # raw: not the model's favourite
+    completion = server.completions.create(model="smollm2-adv17", prompt="Reply with one word: yes or no?",
+                                           max_tokens=12, temperature=0, extra_body={"min_tokens": 12})
+    assert completion.usage.completion_tokens == 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields, param", [
+    ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"min_tokens": 20}, "min_tokens"),
+    ({"logit_bias": {"10000000": 1}}, "logit_bias"),
+    ({"presence_penalty": 1.0}, "presence_penalty"),
+])
+def test_server_refuses_bad_fields_and_leaves_nothing_behind(server, llm, fields, param):
+    from openai import BadRequestError
+    with pytest.raises(BadRequestError) as e:
+        server.completions.create(model="smollm2-adv17", prompt="Hi", max_tokens=4, extra_body=fields)
+    assert e.value.body["param"] == param, e.value.body
+    assert not llm.engine.has_unfinished()
