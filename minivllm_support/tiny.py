@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 
 def build_tiny_qwen3(path: Path, seed: int = 0, **overrides) -> Path:
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = dict(
@@ -15,12 +15,21 @@ def build_tiny_qwen3(path: Path, seed: int = 0, **overrides) -> Path:
         bos_token_id=1, eos_token_id=2,
     )
     cfg.update(overrides)
+    return save_random_checkpoint(path, Qwen3Config(**cfg), Qwen3ForCausalLM, seed)
+
+
+def save_random_checkpoint(path: Path, config, model_class, seed: int = 0,
+                           norm_center: Callable[[str], float] = lambda name: 1.0) -> Path:
+    """transformers' `model_class(config)` with its weights drawn from `seed`, saved with
+    save_pretrained. Norm weights start at a constant (ones, or zeros where a model adds one
+    itself); drawn around `norm_center(name)` instead, a wrong norm cannot hide."""
+    import torch
+
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval()
-    # HF initialises norms to ones; randomise them so q/k-norm and RMSNorm weights are really tested.
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_(norm_center(name) + 0.1 * torch.randn_like(p))
     model.save_pretrained(str(path))
     return Path(path)

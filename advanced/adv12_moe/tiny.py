@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minivllm_support.tiny import save_random_checkpoint
+
 
 def build_tiny_moe(path: Path, seed: int = 0, **overrides) -> Path:
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -16,12 +17,4 @@ def build_tiny_moe(path: Path, seed: int = 0, **overrides) -> Path:
                decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=512,
                rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).eval()
-    # transformers initialises norms to ones; randomise them so that every norm weight is really tested.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
-    return Path(path)
+    return save_random_checkpoint(path, Qwen3MoeConfig(**cfg), Qwen3MoeForCausalLM, seed)

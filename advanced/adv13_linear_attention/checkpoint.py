@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minivllm_support.tiny import save_random_checkpoint
+
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -20,15 +22,9 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 def build_hybrid_checkpoint(path: str | Path, seed: int = 0, **overrides) -> Path:
     """TINY (two DeltaNet layers, two attention layers) updated by `overrides`; dense MLPs
     (num_experts=0). Norm weights are randomised: their initial zeros would hide a wrong norm."""
-    import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = {**TINY, "num_experts": 0, **overrides}
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.1 * torch.randn_like(p) + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
-    model.save_pretrained(str(path))
-    return Path(path)
+    # Qwen3-Next's norms add one to their weight (zeros at start), except the DeltaNet output norm.
+    center = lambda name: 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+    return save_random_checkpoint(path, Qwen3NextConfig(**cfg), Qwen3NextForCausalLM, seed, center)
