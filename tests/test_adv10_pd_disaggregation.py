@@ -333,6 +333,21 @@ def test_gloo_transport_gives_the_colocated_tokens_and_counts_a_lost_layer(tiny_
 
 
 @pytest.mark.slow
+def test_two_prefill_and_two_decode_engines(tiny_qwen3_dir, colocated_tokens, no_leftovers):
+    with PDCluster(tiny_qwen3_dir, "disaggregated", config=CONFIG, num_prefill=2, num_decode=2,
+                   start_timeout_s=WAIT_S) as c:
+        recs = c.run(_requests(gap_s=0.0), WAIT_S)                 # all at once: the router spreads them
+        stats = c.stats()
+    assert [r.token_ids for r in recs] == colocated_tokens
+    assert {r.prefill_on for r in recs} == {"prefill-0", "prefill-1"}
+    assert {r.decode_on for r in recs} == {"decode-0", "decode-1"}
+    assert all(r.fallback is None and r.transfer for r in recs)
+    assert sorted(stats) == ["decode-0", "decode-1", "prefill-0", "prefill-1"] and _all_full(stats)
+    with pytest.raises(ValueError, match="exactly one of each with the gloo transport"):
+        PDCluster(tiny_qwen3_dir, transport="gloo", num_prefill=2)
+
+
+@pytest.mark.slow
 def test_decode_killed_is_a_clear_error_and_nothing_is_left(tiny_qwen3_dir, no_leftovers):
     with pytest.raises(EngineFailed, match=r"the decode engine \(pid \d+\) exited with code 3"):
         with PDCluster(tiny_qwen3_dir, "disaggregated", config=CONFIG, fault="exit-decode:1",

@@ -64,18 +64,26 @@ class PDRecord:
     token_times: list[float] = field(default_factory=list)
     fallback: str | None = None               # why the KV was recomputed on the decode side
     done: bool = False
+    prefill_on: str | None = None             # the engines it was sent to
+    decode_on: str = ""
 
 
 class PDCluster:
     def __init__(self, folder: str, mode: str = "disaggregated", dtype: torch.dtype = torch.float32,
                  config: PagedSchedulerConfig | None = None, threads: int = 1, transfer_timeout_s: float = 10.0,
-                 fault: str = "", start_timeout_s: float = 120.0, transport: str = "store"):
+                 fault: str = "", start_timeout_s: float = 120.0, transport: str = "store",
+                 num_prefill: int = 1, num_decode: int = 1):
+        """num_prefill x num_decode engines (N:M, the store transport only: gloo here joins exactly
+        two processes); threads: torch threads of each engine process."""
         if mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
         if threads < 1 or transfer_timeout_s <= 0:
             raise ValueError(f"need threads >= 1 and transfer_timeout_s > 0, got {threads}, {transfer_timeout_s}")
         if transport not in ("store", "gloo"):
             raise ValueError(f"transport must be 'store' or 'gloo', got {transport!r}")
+        if num_prefill < 1 or num_decode < 1 or (transport == "gloo" and (num_prefill, num_decode) != (1, 1)):
+            raise ValueError(f"{num_prefill} prefill x {num_decode} decode engines: need at least one of each, "
+                             f"and exactly one of each with the gloo transport")
         parse_fault(fault)                              # a bad fault string fails here, not in a child
         self.mode, self.config = mode, config or PagedSchedulerConfig()
         self.procs, self.conns, self.names = [], [], []
@@ -85,12 +93,13 @@ class PDCluster:
         port = free_port() if mode == "disaggregated" and transport == "gloo" else 0
         self.prefill_lost: str | None = None
         self.records: dict[int, PDRecord] = {}
-        roles = ("prefill", "decode") if mode == "disaggregated" else ("colocated",)
+        roles = ([("prefill", i, num_prefill) for i in range(num_prefill)] + [("decode", i, num_decode)
+                 for i in range(num_decode)] if mode == "disaggregated" else [("colocated", 0, 1)])
         try:
-            for rank, role in enumerate(roles, 1):
+            for rank, (role, i, n) in enumerate(roles, 1):
                 spec = EngineSpec(role, str(folder), dtype, threads, self.config, str(self.root or ""),
                                   transfer_timeout_s, fault, rank, transport, port, start_timeout_s)
-                self._spawn(role, spec)
+                self._spawn(role if n == 1 else f"{role}-{i}", spec)   # "prefill", or "prefill-0", ...
             self.info = [self._ready(i, start_timeout_s) for i in range(len(roles))]
         except BaseException:
             self.close()
@@ -130,9 +139,18 @@ class PDCluster:
     def _send(self, role: str, msg: tuple) -> None:
         self.conns[self.names.index(role)].send(msg)
 
-    @property
-    def decode_role(self) -> str:
-        return "decode" if self.mode == "disaggregated" else "colocated"
+    def engines(self, role: str) -> list[str]:
+        """The live engines of a role ("prefill", "decode", "colocated"), by name."""
+        return [n for n in self.names if n.split("-")[0] == role]
+
+    def least_loaded(self, role: str) -> str:
+        """The engine of `role` with the fewest requests still in its hands (N:M routing)."""
+        def load(name: str) -> int:
+            if role == "prefill":
+                return sum(r.prefill_on == name and r.prefill_done is None and not r.done
+                           for r in self.records.values())
+            return sum(r.decode_on == name and not r.done for r in self.records.values())
+        return min(self.engines(role), key=load)
 
     def _died(self, i: int) -> str:
         proc = self.proc_of[self.names[i]]
@@ -165,12 +183,14 @@ class PDCluster:
     def _submit(self, rec: PDRecord, req: PDRequest) -> None:
         rec.start = time.perf_counter()
         params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
-        remote = self.mode == "disaggregated" and self.prefill_lost is None
+        remote = self.mode == "disaggregated" and bool(self.engines("prefill"))
+        rec.decode_on = self.least_loaded("decode" if self.mode == "disaggregated" else "colocated")
         if remote:
-            self._send("prefill", ("add", rec.rid, req.prompt_ids))
+            rec.prefill_on = self.least_loaded("prefill")
+            self._send(rec.prefill_on, ("add", rec.rid, req.prompt_ids))
         elif self.mode == "disaggregated":
             rec.fallback = f"no prefill engine ({self.prefill_lost})"
-        self._send(self.decode_role, ("add", rec.rid, req.prompt_ids, params, remote))
+        self._send(rec.decode_on, ("add", rec.rid, req.prompt_ids, params, remote))
 
     def _drain(self, i: int) -> None:
         role = self.names[i]
@@ -178,22 +198,23 @@ class PDCluster:
             while self.conns[i].poll(0):
                 self._handle(role, self._recv(i))
         except (EOFError, OSError):
-            if role != "prefill":
+            if not role.startswith("prefill"):
                 raise EngineFailed(f"{self._died(i)}; {sum(not r.done for r in self.records.values())} "
                                    f"requests unfinished") from None
-            self._lose_prefill(self._died(i))
+            self._lose_prefill(role, self._died(i))
 
-    def _lose_prefill(self, why: str) -> None:
-        if self.prefill_lost is not None:
-            return
+    def _lose_prefill(self, name: str, why: str) -> None:
+        """A prefill engine is gone: its open transfers become fallbacks on their decode engines;
+        later requests go to the other prefill engines, or to a decode engine alone."""
+        i = self.names.index(name)
+        self.conns.pop(i).close()
+        self.names.pop(i)
         self.prefill_lost = why
-        self.conns[0].close()
-        self.conns.pop(0)
-        self.names.pop(0)
-        print(f"[minivllm] {why}: open transfers fall back to local prefill on the decode engine", file=sys.stderr)
+        print(f"[minivllm] {why}: its open transfers fall back to local prefill on the decode engines",
+              file=sys.stderr)
         for rec in self.records.values():
-            if rec.prefill_done is None and not rec.done and rec.fallback is None:
-                self._send("decode", ("lost", rec.rid, why))
+            if rec.prefill_on == name and rec.prefill_done is None and not rec.done and rec.fallback is None:
+                self._send(rec.decode_on, ("lost", rec.rid, why))
 
     def _handle(self, role: str, msg: tuple) -> None:
         kind = msg[0]
@@ -201,10 +222,10 @@ class PDCluster:
             raise EngineFailed(f"the {role} engine raised:\n{msg[1]}")
         if kind == "started":
             for rid in msg[1]:
-                self._send("decode", ("started", rid))
+                self._send(self.records[rid].decode_on, ("started", rid))
         elif kind == "prefilled":
             self.records[msg[1]].prefill_done = msg[3]
-            self._send("decode", ("prefilled", msg[1]))
+            self._send(self.records[msg[1]].decode_on, ("prefilled", msg[1]))
         elif kind == "tokens":
             for rid, token, t, finished, facts in msg[1]:
                 rec = self.records[rid]

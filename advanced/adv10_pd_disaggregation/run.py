@@ -47,6 +47,8 @@ def parse():
                    "exit-prefill:5 (the prefill process dies mid-transfer): the fallbacks are counted below")
     p.add_argument("--transports", default="store,gloo", help="KV transports to run disaggregated: store "
                    "(files in /dev/shm, store.py), gloo (torch.distributed send/recv, gloo.py)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill engine processes (N:M: the store only)")
+    p.add_argument("--decode", type=int, default=1, help="decode engine processes")
     p.add_argument("--out", type=Path, default=Path("build/adv10"), help="folder for the traces and PNGs")
     return p.parse_args()
 
@@ -67,8 +69,10 @@ def workload(tok, args) -> tuple[list[PDRequest], list[bool]]:
 
 
 def play(folder, mode: str, dtype, config, threads: int, reqs, args, transport: str = "store"):
+    n, m = (args.prefill, args.decode) if mode == "disaggregated" else (1, 1)
     with PDCluster(folder, mode, dtype, config, threads, args.transfer_timeout,
-                   args.fault if mode == "disaggregated" else "", transport=transport) as c:
+                   args.fault if mode == "disaggregated" else "", transport=transport, num_prefill=n,
+                   num_decode=m) as c:
         recs = c.run(reqs, timeout_s=600)
         return recs, c.stats(), c.timelines()
 
@@ -109,13 +113,16 @@ def main() -> None:
     transports = [t for t in args.transports.split(",") if t]
     if not transports or any(t not in ("store", "gloo") for t in transports):
         raise SystemExit(f"--transports {args.transports!r}: a comma-separated list of store, gloo")
-    print(f"colocated: 1 engine process, {cores} threads   disaggregated: prefill process {max(1, cores // 2)} "
-          f"thread(s) + decode process {max(1, cores // 2)} thread(s), KV through {' / '.join(transports)}\n")
+    if "gloo" in transports and (args.prefill, args.decode) != (1, 1):
+        raise SystemExit("--prefill/--decode other than 1:1 need --transports store (gloo joins two processes)")
+    per_engine = max(1, cores // (args.prefill + args.decode))
+    print(f"colocated: 1 engine process, {cores} threads   disaggregated: {args.prefill} prefill + {args.decode} "
+          f"decode process(es), {per_engine} thread(s) each, KV through {' / '.join(transports)}\n")
     if warning := busy_warning():
         print(warning)
     runs = {"colocated": play(folder, "colocated", dtype, config, cores, reqs, args)}
     for t in transports:
-        runs[f"PD {t}"] = play(folder, "disaggregated", dtype, config, max(1, cores // 2), reqs, args, t)
+        runs[f"PD {t}"] = play(folder, "disaggregated", dtype, config, per_engine, reqs, args, t)
     col = runs["colocated"][0]
     same = sum(a.token_ids == b.token_ids for name, run in runs.items() if name != "colocated"
                for a, b in zip(col, run[0]))
