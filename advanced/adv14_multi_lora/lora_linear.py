@@ -92,8 +92,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
         m = self.state.mapping
-        if m is None:
-            return y
+        if m is None or not any(self.ranks[slot] for slot, _, _ in m.segments):
+            return y                                  # no adapter of this step adapts this projection
         if m.onehot is not None:                                  # stacked: two matmuls, all slots
             S, R = m.onehot.shape[1], self.lora_a.shape[1]        # slots 0..S-1: a leading slice, no copy
             shrink = x @ self.lora_a[:S].view(S * R, -1).t()      # [T, S*R]: every row, every slot
