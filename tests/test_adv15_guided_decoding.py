@@ -254,3 +254,80 @@ def test_allowed_tokens_equal_xgrammar_on_random_prefixes(smol_vocab, regex):
             else:                                           # a non-canonical token: llguidance's path ends
                 ll = None
                 break
+
+
+# ---- the embedded SmolLM2 through GuidedLLM and lesson 20's server (the official openai client) --
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer"},
+                                           "city": {"enum": ["Paris", "London", "Rome"]}},
+          "required": ["name", "age", "city"]}
+ASK = [{"role": "user", "content": "Describe a person as JSON with name, age and city."}]
+
+
+@pytest.fixture(scope="module")
+def served(smol_dir):
+    from types import SimpleNamespace
+
+    from openai import OpenAI
+
+    from advanced.adv02_sampling.server import AdvAsyncLLM
+    from advanced.adv15_guided_decoding.engine import GuidedLLM
+    from advanced.adv15_guided_decoding.server import ChatCompletionRequest, CompletionRequest
+    from step20_http_serve.api import build_app
+    from step20_http_serve.server import ServerThread
+
+    llm = GuidedLLM(smol_dir, dtype="fp32", enforce_eager=True, max_num_seqs=8)
+    engine = AdvAsyncLLM(llm, "smol-adv15")
+    app = build_app(engine, completion_request=CompletionRequest, chat_request=ChatCompletionRequest)
+    try:
+        with ServerThread(app) as url:
+            yield SimpleNamespace(llm=llm, client=OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                                                         timeout=120))
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_llm_batch_of_schema_choice_regex_and_free(served):
+    so = StructuredOutputsParams
+    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=so(json=PERSON)),
+              SamplingParams(temperature=0, max_tokens=4, structured_outputs=so(choice=["yes", "no"])),
+              SamplingParams(temperature=0, max_tokens=16, structured_outputs=so(regex=r"\(\d{3}\) \d{3}-\d{4}")),
+              SamplingParams(temperature=0, max_tokens=12)]
+    asks = [ASK, [{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+            [{"role": "user", "content": "Give a US phone number."}], [{"role": "user", "content": "Hi!"}]]
+    outs = [o.outputs[0] for o in served.llm.chat(asks, params, use_tqdm=False)]       # one batch
+    jsonschema.validate(json.loads(outs[0].text), PERSON)
+    assert outs[1].text in ("yes", "no")
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", outs[2].text)
+    assert all(o.finish_reason == "stop" for o in outs[:3])
+    alone = served.llm.chat(asks[3], params[3], use_tqdm=False)[0].outputs[0]
+    assert outs[3].token_ids == alone.token_ids                       # the free row is untouched
+
+
+@pytest.mark.slow
+def test_server_response_format_and_vllm_fields(served):
+    from openai import BadRequestError
+    c = served.client
+    r = c.chat.completions.create(model="smol-adv15", messages=ASK, temperature=0, max_tokens=48,
+                                  response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "person", "schema": PERSON}})
+    ref = served.llm.chat(ASK, SamplingParams(temperature=0, max_tokens=48,
+                                              structured_outputs=StructuredOutputsParams(json=PERSON)),
+                          use_tqdm=False)[0].outputs[0].text
+    assert r.choices[0].message.content == ref
+    jsonschema.validate(json.loads(ref), PERSON)
+    r = c.completions.create(model="smol-adv15", prompt="The best city is", temperature=0, max_tokens=4,
+                             extra_body={"guided_choice": ["Paris", "Rome"]})
+    assert r.choices[0].text in ("Paris", "Rome")
+    r = c.chat.completions.create(model="smol-adv15", messages=ASK, temperature=0, max_tokens=8,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{2}"}})
+    assert re.fullmatch("[0-9]{2}", r.choices[0].message.content)
+    bad = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+            "type 'strnig' is not supported"),
+           ({"extra_body": {"guided_regex": "(ab"}}, "missing ')'"),
+           ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}}, "only one constraint")]
+    for kwargs, problem in bad:
+        with pytest.raises(BadRequestError, match=re.escape(problem)):
+            c.chat.completions.create(model="smol-adv15", messages=ASK, max_tokens=4, **kwargs)
+    assert not served.llm.engine.has_unfinished()

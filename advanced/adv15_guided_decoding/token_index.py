@@ -72,23 +72,29 @@ class TokenVocab:
         eos = list(eos_ids) if eos_ids is not None else [tokenizer.eos_token_id]
         return cls(out + [None] * (vocab_size - n), vocab_size, [int(e) for e in eos if e is not None])
 
+    def walk_arrays(self) -> tuple[torch.Tensor, np.ndarray, list[int]]:
+        """What every TokenIndex of this vocabulary walks, built once: the usable token ids sorted
+        longest first, their bytes as a zero-padded uint8 matrix, and active[j] = how many of
+        them (from the front) are longer than j."""
+        if "_walk" not in self.__dict__:
+            ids = [i for i, b in enumerate(self.token_bytes) if b]      # no empty or special tokens
+            lens = np.array([len(self.token_bytes[i]) for i in ids], dtype=np.int64)
+            order = np.argsort(-lens, kind="stable")
+            matrix = np.zeros((len(ids), int(lens.max())), dtype=np.uint8)
+            for row, k in enumerate(order):
+                data = self.token_bytes[ids[k]]
+                matrix[row, :len(data)] = np.frombuffer(data, dtype=np.uint8)
+            active = [int((lens > j).sum()) for j in range(matrix.shape[1])]
+            self.__dict__["_walk"] = (torch.tensor(np.array(ids, dtype=np.int64)[order]), matrix, active)
+        return self.__dict__["_walk"]
+
 
 class TokenIndex:
     """A DFA joined to a vocabulary: allowed-token masks per state (cached) and token steps."""
 
     def __init__(self, dfa: DFA, vocab: TokenVocab):
         self.dfa, self.vocab = dfa, vocab
-        ids = [i for i, b in enumerate(vocab.token_bytes) if b]          # no empty or special tokens
-        lens = np.array([len(vocab.token_bytes[i]) for i in ids], dtype=np.int64)
-        order = np.argsort(-lens, kind="stable")                         # longest first
-        self.ids = torch.tensor(np.array(ids, dtype=np.int64)[order])
-        self.lens = lens[order]
-        self.bytes = np.zeros((len(ids), int(self.lens.max())), dtype=np.uint8)
-        for row, k in enumerate(order):
-            data = vocab.token_bytes[ids[k]]
-            self.bytes[row, :len(data)] = np.frombuffer(data, dtype=np.uint8)
-        # active[j]: how many tokens (from the front) are longer than j
-        self.active = [int((self.lens > j).sum()) for j in range(self.bytes.shape[1])]
+        self.ids, self.bytes, self.active = vocab.walk_arrays()
         self.masks: dict[int, torch.Tensor] = {}
         self.eos = torch.tensor(vocab.eos_ids, dtype=torch.long)
 
@@ -101,7 +107,7 @@ class TokenIndex:
 
     def _compute(self, state: int) -> torch.Tensor:
         table, dead = self.dfa.table, self.dfa.dead
-        states = np.full(len(self.lens), state, dtype=np.int32)
+        states = np.full(len(self.ids), state, dtype=np.int32)
         for j, k in enumerate(self.active):
             s = states[:k]
             states[:k] = table[s, self.bytes[:k, j]]
