@@ -116,15 +116,19 @@ def main() -> None:
     if "gloo" in transports and (args.prefill, args.decode) != (1, 1):
         raise SystemExit("--prefill/--decode other than 1:1 need --transports store (gloo joins two processes)")
     per_engine = max(1, cores // (args.prefill + args.decode))
-    print(f"colocated: 1 engine process, {cores} threads   disaggregated: {args.prefill} prefill + {args.decode} "
-          f"decode process(es), {per_engine} thread(s) each, KV through {' / '.join(transports)}\n")
+    # The colocated engine twice: with every core (the same cores as the split in all), and with
+    # one engine's share of the split (the same threads per engine: prefill interference alone).
+    col_threads = sorted({cores, per_engine}, reverse=True)
+    print(f"colocated: 1 engine process with {' and then '.join(map(str, col_threads))} thread(s)   disaggregated: "
+          f"{args.prefill} prefill + {args.decode} decode process(es), {per_engine} thread(s) each, KV through "
+          f"{' / '.join(transports)}\n")
     if warning := busy_warning():
         print(warning)
-    runs = {"colocated": play(folder, "colocated", dtype, config, cores, reqs, args)}
+    runs = {f"colocated {t}t": play(folder, "colocated", dtype, config, t, reqs, args) for t in col_threads}
     for t in transports:
         runs[f"PD {t}"] = play(folder, "disaggregated", dtype, config, per_engine, reqs, args, t)
-    col = runs["colocated"][0]
-    same = sum(a.token_ids == b.token_ids for name, run in runs.items() if name != "colocated"
+    col = runs[f"colocated {cores}t"][0]
+    same = sum(a.token_ids == b.token_ids for name, run in runs.items() if name.startswith("PD")
                for a, b in zip(col, run[0]))
     print(identity_line("outputs, disaggregated vs colocated", same, len(reqs) * len(transports), dtype))
 
@@ -147,7 +151,7 @@ def main() -> None:
 
     num_layers = ModelConfig.from_pretrained(folder).num_layers
     for name, (dis, stats, _) in runs.items():
-        if name != "colocated":
+        if name.startswith("PD"):
             transfer_report(name, dis, stats, col, is_long, num_layers)
     for mode, (_, st, _) in runs.items():
         print(f"{mode}: " + ", ".join(f"{role} {s['free_blocks']}/{s['num_blocks']} blocks free"
@@ -166,7 +170,7 @@ def transfer_report(name: str, dis: list[PDRecord], stats: dict, col: list[PDRec
                     num_layers: int) -> None:
     """One disaggregated run: its TTFT split, the KV it moved and that KV's price on a link, its fallbacks."""
     print(f"\n{name}: TTFT split (mean ms; the three add up to the TTFT)")
-    print(f"  {'':12}{'prefill':>9}{'transfer':>9}{'1st decode':>11}{'TTFT':>9}   colocated TTFT")
+    print(f"  {'':12}{'prefill':>9}{'transfer':>9}{'1st decode':>11}{'TTFT':>9}   colocated, all threads")
     for label, want in (("chats", False), ("long", True)):
         parts = [p for r, lg in zip(dis, is_long) if lg == want and (p := ttft_split(r)) is not None]
         col_ttft = [r.token_times[0] - r.start for r, lg in zip(col, is_long) if lg == want]
