@@ -122,6 +122,27 @@ def test_lru_with_fewer_slots_than_adapters_gives_the_same_tokens(lora_setup, ma
     assert stats.loads == stats.evictions + len(stats.resident) and stats.evictions >= len(SPECS) - max_loras
 
 
+def test_prefix_cache_never_serves_one_adapters_blocks_to_another(lora_setup):
+    """The base computes and caches a prompt's blocks; the same prompt under an adapter must
+    not reuse them (its K/V differ), while a second base request does."""
+    engine = build_lora_engine(lora_setup.model, PagedSchedulerConfig(kv_cache_bytes=2**20, block_size=4),
+                               max_loras=2, max_lora_rank=8)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    bm = engine.scheduler.block_manager
+
+    def run(lr):
+        hits = bm.hit_tokens
+        seq = engine.add_request(PROMPTS[2], sp, lora_request=lr)
+        while engine.has_unfinished():
+            engine.step()
+        return seq.output_token_ids, bm.hit_tokens - hits
+    assert run(None) == (lora_setup.reference[None][2][0], 0)
+    for lr in lora_setup.requests:
+        assert run(lr) == (lora_setup.reference[lr.lora_name][2][0], 0)
+    tokens, hits = run(None)
+    assert tokens == lora_setup.reference[None][2][0] and hits == 8      # two full blocks of the 11-token prompt
+
+
 def test_mapping_groups_rows_by_slot():
     slots = torch.tensor([2, 2, -1, 0, 0, 0, 2, -1, 1])
     m = LoRAMapping.build(slots, stacked=True, dtype=torch.float32)
