@@ -9,7 +9,6 @@ import random
 import re
 
 import jsonschema
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 ASCII = frozenset(range(128))
 DIGITS = frozenset(range(ord("0"), ord("9") + 1))
