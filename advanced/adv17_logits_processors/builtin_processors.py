@@ -33,6 +33,7 @@ class AllowedTokenIds(RowStateProcessor[Tensor]):
     def __init__(self, vocab_size: int):
         super().__init__()
         self.vocab_size = vocab_size
+        self._blocked: tuple[Tensor, Tensor] | None = None
 
     def new_state(self, params, prompt_ids, output_ids):
         ids = getattr(params, "allowed_token_ids", None)
@@ -42,12 +43,19 @@ class AllowedTokenIds(RowStateProcessor[Tensor]):
         allowed[torch.tensor(ids, dtype=torch.long)] = True
         return allowed
 
+    def update_state(self, batch_update) -> None:
+        super().update_state(batch_update)
+        if batch_update is not None:
+            self._blocked = None                      # rows changed: rebuild the batch mask once
+
     def apply(self, logits: Tensor) -> Tensor:
         if not self.states:
             return logits
-        rows = sorted(self.states)
-        blocked = ~torch.stack([self.states[r] for r in rows]).to(logits.device)       # [R, V]
-        idx = torch.tensor(rows, device=logits.device)
+        if self._blocked is None:                     # [R, V], reused while the batch stays the same
+            rows = sorted(self.states)
+            self._blocked = (torch.tensor(rows, device=logits.device),
+                             ~torch.stack([self.states[r] for r in rows]).to(logits.device))
+        idx, blocked = self._blocked
         logits[idx] = logits[idx].masked_fill(blocked, NEG_INF)
         return logits
 

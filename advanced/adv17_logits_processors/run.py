@@ -18,15 +18,19 @@ from minivllm_support.timing import compare, format_ratio
 from advanced.adv17_logits_processors.engine import ProcessorLLM
 from advanced.adv17_logits_processors.params import SamplingParams
 
-REVIEWS = [("An absolute delight from start to finish, I loved every minute.", "Positive"),
-           ("The food was cold and the waiter was rude.", "Negative"),
-           ("Best purchase I have made this year, it works perfectly.", "Positive"),
-           ("It broke after two days and support never answered.", "Negative"),
-           ("A warm, funny and beautifully acted film.", "Positive"),
-           ("Boring, far too long, and the ending made no sense.", "Negative"),
-           ("The hotel staff were kind and the room was spotless.", "Positive"),
-           ("I want my money back; this was a waste of time.", "Negative")]
-LABELS = ("Positive", "Negative")
+REVIEWS = [("An absolute delight from start to finish, I loved every minute.", "positive"),
+           ("The food was cold and the waiter was rude.", "negative"),
+           ("Best purchase I have made this year, it works perfectly.", "positive"),
+           ("It broke after two days and support never answered.", "negative"),
+           ("A warm, funny and beautifully acted film.", "positive"),
+           ("Boring, far too long, and the ending made no sense.", "negative"),
+           ("The hotel staff were kind and the room was spotless.", "positive"),
+           ("I want my money back; this was a waste of time.", "negative")]
+LABELS = (" positive", " negative")          # what follows "Sentiment:" in the examples
+# Two worked examples, then the review: a small model follows a pattern far better than an
+# instruction (the same reviews asked zero-shot get a near coin-flip from SmolLM2-135M).
+SHOTS = ("Review: The staff were friendly and helpful.\nSentiment: positive\n\n"
+         "Review: The screen cracked on the first day.\nSentiment: negative\n\n")
 
 
 def main() -> None:
@@ -44,16 +48,12 @@ def main() -> None:
         skip(llm, args.repeats or 3)
 
 
-def _conv(review: str) -> list[dict]:
-    return [{"role": "user", "content": f"Is the sentiment of this review Positive or Negative?\nReview: {review}"}]
-
-
 def classify(llm: ProcessorLLM) -> None:
     ids = [llm.tokenizer.encode(w, add_special_tokens=False) for w in LABELS]
     assert all(len(i) == 1 for i in ids), f"each label must be one token here, got {ids}"
     label_ids = [i[0] for i in ids]
     print(f"== sentiment by restricted next-token scoring: allowed_token_ids = {dict(zip(LABELS, label_ids))}, "
-          "one greedy token")
+          "one greedy token after a two-example prompt")
     scores: dict[int, torch.Tensor] = {}
 
     def record(k: int):
@@ -64,23 +64,23 @@ def classify(llm: ProcessorLLM) -> None:
             return row
         return fn
 
-    convs = [_conv(r) for r, _ in REVIEWS]
-    free = llm.chat(convs, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    restricted = llm.chat(convs, [SamplingParams(temperature=0, max_tokens=1, logprobs=1, allowed_token_ids=label_ids,
-                                                 logits_processors=[record(k)]) for k in range(len(convs))],
-                          use_tqdm=False)
+    prompts = [f"{SHOTS}Review: {r}\nSentiment:" for r, _ in REVIEWS]
+    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    restricted = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=1, logprobs=1,
+                                                       allowed_token_ids=label_ids, logits_processors=[record(k)])
+                                        for k in range(len(prompts))], use_tqdm=False)
     right = parseable = 0
-    print(f"  {'truth':8} {'free answer (8 tokens)':34} {'pick':8} {'raw logprob (rank)':19} P(pick | labels)")
+    print(f"  {'review':44} {'truth':9} {'free (3 tokens)':17} {'pick':9} raw logprob (rank)  P(pick | labels)")
     for k, ((review, truth), f, r) in enumerate(zip(REVIEWS, free, restricted)):
         c = r.outputs[0]
-        pick = llm.tokenizer.decode(c.token_ids)
+        pick = llm.tokenizer.decode(c.token_ids).strip()
         raw = c.logprobs[0][c.token_ids[0]]
         answer = f.outputs[0].text
-        parseable += answer.strip().split(" ")[0].strip(".,!") in LABELS
+        parseable += answer.split("\n")[0].strip() in (w.strip() for w in LABELS)
         right += pick == truth
-        print(f"  {truth:8} {answer[:33]!r:34} {pick:8} {raw.logprob:8.2f} ({raw.rank:5})    "
-              f"{float(scores[k][LABELS.index(pick)]):.3f}")
-    print(f"  restricted picks right: {right}/{len(REVIEWS)}; free answers that start with a label: "
+        print(f"  {review[:43]:44} {truth:9} {answer!r:17} {pick:9} {raw.logprob:8.2f} ({raw.rank:5})  "
+              f"{float(scores[k][[w.strip() for w in LABELS].index(pick)]):.3f}")
+    print(f"  restricted picks right: {right}/{len(REVIEWS)}; free answers that are exactly a label: "
           f"{parseable}/{len(REVIEWS)}")
     print("  the logprobs are the model's raw ones (as vLLM reports them): the mask decides what can be\n"
           "  picked, not what the client is told the model thought\n")
