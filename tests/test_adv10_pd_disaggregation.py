@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from advanced.adv10_pd_disaggregation.cluster import EngineFailed, PDCluster, PDRequest
+from advanced.adv10_pd_disaggregation.cluster import EngineFailed, PDCluster
 from advanced.adv10_pd_disaggregation.connector import ConnectorScheduler, TransferParams, prompt_key
 from advanced.adv10_pd_disaggregation.engines import build_pd_engine
 from advanced.adv10_pd_disaggregation.process import parse_fault
+from advanced.adv10_pd_disaggregation.records import PDRequest
 from advanced.adv10_pd_disaggregation.store import KVStore, StoreConnectorWorker, TransferError
 from step04_transformer.loader import load_model
 from step06_sampler.params import SamplingParams

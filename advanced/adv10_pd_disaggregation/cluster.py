@@ -20,7 +20,6 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 import torch
@@ -31,6 +30,7 @@ from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_tensor_parallel.workers import shutdown
 from advanced.adv10_pd_disaggregation.process import EngineSpec, engine_main, parse_fault
+from advanced.adv10_pd_disaggregation.records import PDRecord, PDRequest
 from advanced.adv10_pd_disaggregation.store import default_root
 
 
@@ -43,29 +43,6 @@ def free_port() -> int:
 
 class EngineFailed(RuntimeError):
     """An engine process the launcher cannot do without (decode, colocated) died or fell silent."""
-
-
-@dataclass
-class PDRequest:
-    arrival_s: float              # seconds after the start
-    prompt_ids: list[int]
-    max_tokens: int
-
-
-@dataclass
-class PDRecord:
-    """One request as the launcher saw it; times are time.perf_counter() readings."""
-    rid: int
-    prompt_len: int
-    start: float = 0.0
-    prefill_done: float | None = None         # the prefill engine handed over its last layer
-    transfer: dict | None = None              # decode side: when the layers landed, bytes
-    token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    fallback: str | None = None               # why the KV was recomputed on the decode side
-    done: bool = False
-    prefill_on: str | None = None             # the engines it was sent to
-    decode_on: str = ""
 
 
 class PDCluster:

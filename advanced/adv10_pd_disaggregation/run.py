@@ -1,8 +1,9 @@
 """Advanced lesson 10: prefill/decode disaggregation. The same mixed load (short chats, a few long
 prompts arriving among them) played into one colocated engine process and into a prefill process
-plus a decode process joined by a KV connector (a file store, gloo send/recv): tokens compared, TTFT split into prefill / transfer /
-first decode, ITL of the chats while the long prompts arrive, KV bytes per request and their
-price on 10/25/100 Gbit/s links, goodput under an SLO, and every run's timeline as a Chrome trace."""
+plus a decode process joined by a KV connector (a file store, gloo send/recv): tokens compared,
+TTFT split into prefill / transfer / first decode, ITL of the chats while the long prompts arrive,
+KV bytes per request and their price on 10/25/100 Gbit/s links, goodput under an SLO, and every
+run's timeline as a Chrome trace."""
 from __future__ import annotations
 
 import math
@@ -20,7 +21,8 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step18_benchmark.loadgen import arrival_times
 from step18_benchmark.metrics import SLO, RequestRecord, percentile_stats, summarize
 from advanced.adv06_pipeline_parallel.wire import LATENCY_US, LINKS_GBIT, link_ms
-from advanced.adv10_pd_disaggregation.cluster import PDCluster, PDRecord, PDRequest
+from advanced.adv10_pd_disaggregation.cluster import PDCluster
+from advanced.adv10_pd_disaggregation.records import PDRecord, PDRequest
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
              "Why do cats purr?", "Explain what a compiler does in two sentences.", "Suggest a name for a grey cat.",
