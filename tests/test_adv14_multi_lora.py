@@ -289,8 +289,10 @@ def test_lora_modules_flag_is_name_equals_path():
 def test_smollm2_mixed_batch_equals_peft_merged_model(smol_dir, smol_fp32, smol_tokenizer, tmp_path):
     from advanced.adv14_multi_lora.make_adapters import SHAPES, peft_template
 
-    requests = [LoRARequest(f"smol-r{r}", i + 1, str(peft_template(smol_dir, tmp_path / f"r{r}", r, t, i, 0.05)))
-                for i, (r, t) in enumerate(SHAPES)]
+    requests = []
+    for i, (r, t) in enumerate(SHAPES):
+        peft_template(smol_dir, tmp_path / f"r{r}", r, t, i, 0.05)
+        requests.append(LoRARequest(f"smol-r{r}", i + 1, str(tmp_path / f"r{r}")))
     prompts = [smol_tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Bees make")]
     engine = build_lora_engine(smol_fp32, PagedSchedulerConfig(max_num_seqs=8, kv_cache_bytes=32 * 2**20),
                                max_loras=2, max_lora_rank=16)

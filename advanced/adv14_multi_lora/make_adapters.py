@@ -23,20 +23,22 @@ SHAPES = [(8, ["q_proj", "v_proj"]),
           (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])]
 
 
-def peft_template(base_dir: Path, out: Path, rank: int, targets: list[str], seed: int, b_std: float) -> Path:
-    """One adapter folder from peft itself (its config, its tensor names and shapes)."""
+def peft_template(base, out: Path, rank: int, targets: list[str], seed: int, b_std: float):
+    """One adapter folder from peft itself (its config, its tensor names and shapes), made on
+    `base` (a transformers model, or its folder); returns the base model again, LoRA layers removed."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    if isinstance(base, (str, Path)):
+        base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * b_std)
     peft_model.save_pretrained(out)
-    return out
+    return peft_model.unload()
 
 
 def redraw(template: Path, out: Path, seed: int, b_std: float) -> Path:
@@ -57,8 +59,10 @@ def redraw(template: Path, out: Path, seed: int, b_std: float) -> Path:
 
 def make_adapters(base_dir: Path, root: Path, count: int, seed: int = 0, b_std: float = 0.02) -> list[Path]:
     """`count` adapter folders under root, alternating SHAPES: adapter-00, adapter-01, ..."""
-    templates = [peft_template(base_dir, root / f"template-r{r}", r, t, seed + i, b_std)
-                 for i, (r, t) in enumerate(SHAPES)]
+    base, templates = base_dir, []
+    for i, (r, t) in enumerate(SHAPES):                     # one load of the base model for both
+        templates.append(root / f"template-r{r}")
+        base = peft_template(base, templates[-1], r, t, seed + i, b_std)
     folders = []
     for i in range(count):
         folder = root / f"adapter-{i:02d}"

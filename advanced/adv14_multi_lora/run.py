@@ -7,7 +7,8 @@ Adapters are made on the spot with peft (random B, fixed seed: make_adapters.py 
 Prints: what each adapter makes of one prompt; throughput of 16 requests spread over 1, 4 and
 16 adapters in one batch (segments vs stacked deltas) against the base model alone and against
 merging each adapter into its own model run one after another; the LRU's loads and evictions
-with fewer slots than adapters.
+with fewer slots than adapters. Each variant runs once after a short warm-up request
+(--repeats is accepted, as by every run.py, and not used).
 """
 from __future__ import annotations
 
