@@ -186,6 +186,7 @@ class DecodeEngine(Engine):
             return
         seq = self.scheduler.load_failed(req_id)
         self.fallbacks.append(Fallback(req_id, reason, seq.num_prompt_tokens - seq.num_computed_tokens))
+        self.loads.pop(req_id, None)
         self.worker.finished(load)
 
     def step(self) -> list[Sequence]:
@@ -193,6 +194,9 @@ class DecodeEngine(Engine):
         sampled = super().step()
         for seq in sampled:
             if seq.is_finished:
+                params = self.connector.params.get(seq.seq_id)
+                if params is not None:
+                    self.by_req.pop(params.req_id, None)
                 self.connector.request_finished(seq)
         return sampled
 
