@@ -67,6 +67,8 @@ def test_bad_schema_names_the_problem(schema, problem):
         SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a"))
 
 
 # ---- a small byte-level vocabulary: every single byte plus multi-byte tokens, like BPE ---------
@@ -236,7 +238,7 @@ def test_allowed_tokens_equal_xgrammar_on_random_prefixes(smol_vocab, regex):
     vocab, xgr_compiler, lltok = smol_vocab
     index = TokenIndex(compile_regex(regex), vocab)
     rng = torch.Generator().manual_seed(len(regex))
-    for _ in range(2):                                     # two random valid token paths to EOS
+    for _ in range(2):                                     # random valid token paths to EOS
         ours, xg, ll = GuideState(index), XgrammarGuide(xgr_compiler, regex, vocab.vocab_size), \
             LLGuidanceGuide(lltok, regex, vocab.vocab_size)
         while not ours.finished:

@@ -70,6 +70,8 @@ class SamplingParams(AdvSamplingParams):
             so = self.structured_outputs = StructuredOutputsParams(**so)
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"SamplingParams.structured_outputs must be StructuredOutputsParams or None, got {so!r}")
+        if so is not None and self.ignore_eos:     # EOS is how a guided answer says "complete"
+            raise ValueError("SamplingParams.ignore_eos cannot be combined with structured_outputs")
 
 
 def constraint_of(params) -> StructuredOutputsParams | None:

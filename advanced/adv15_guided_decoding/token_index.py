@@ -15,8 +15,8 @@ tokens decided by that position alone (precomputed once per grammar, "context-in
 the few whose fate depends on the stack below (checked at run time). A DFA is the case where
 every token is context-independent: this lesson bounds JSON's depth to stay there.
 
-The walk is vectorised: all tokens step one byte at a time through `table[state, byte]`, the
-longest first, so step j only touches the tokens longer than j.
+The walk is vectorised: all tokens take their first byte through `table[state, byte]` at once,
+then only the tokens still alive (and longer than the step) take the next byte, and so on.
 """
 from __future__ import annotations
 
@@ -107,12 +107,14 @@ class TokenIndex:
 
     def _compute(self, state: int) -> torch.Tensor:
         table, dead = self.dfa.table, self.dfa.dead
-        states = np.full(len(self.ids), state, dtype=np.int32)
-        for j, k in enumerate(self.active):
-            s = states[:k]
-            states[:k] = table[s, self.bytes[:k, j]]
-            if (states[:k] == dead).all():                 # every longer token is already out
+        states = table[state, self.bytes[:, 0]]             # every token's first byte, at once
+        live = np.flatnonzero(states != dead)               # most tokens die here in a tight state
+        for j in range(1, len(self.active)):
+            live = live[live < self.active[j]]             # still alive and longer than j
+            if live.size == 0:
                 break
+            states[live] = table[states[live], self.bytes[live, j]]
+            live = live[states[live] != dead]
         mask = torch.zeros(self.vocab.vocab_size, dtype=torch.bool)
         mask[self.ids[torch.from_numpy(states != dead)]] = True
         if self.dfa.accepting[state]:
