@@ -5,13 +5,14 @@
             \\-> decode process (allocates, waits                 (prefills and decodes mixed)
                  for the layers, then decodes)
     prefill -> launcher: "started" / "prefilled" --> forwarded to decode (arms its transfer timeout;
-                                                     tells it every layer that will come is there)
+                                                     says every layer of the request is sent)
 
-It plays vLLM's proxy: the request goes to both engines at once, so the decode engine allocates
-its blocks and starts loading layer 0 while the prefill engine is still on the later layers.
+It is the proxy in front of the two engines. It sends each request to both at once, so the
+decode engine allocates its blocks first and loads layer 0 while the prefill engine is still on
+the later layers (vLLM's example proxy waits for the prefill to finish before it asks decode).
 Faults: a prefill process that dies turns every transfer still open into a counted local
 recompute on the decode side, and later requests run there alone; a decode process that dies is
-an error naming its exit code, the other process is stopped, and nothing is left running.
+an error naming its exit code, the others are stopped, and nothing is left running.
 """
 from __future__ import annotations
 
