@@ -74,8 +74,8 @@ class TokenVocab:
 
     def walk_arrays(self) -> tuple[torch.Tensor, np.ndarray, list[int]]:
         """What every TokenIndex of this vocabulary walks, built once: the usable token ids sorted
-        longest first, their bytes as a zero-padded uint8 matrix, and active[j] = how many of
-        them (from the front) are longer than j."""
+        longest first, their bytes as a zero-padded uint8 matrix [max length, tokens], and
+        active[j] = how many of them (from the front) are longer than j."""
         if "_walk" not in self.__dict__:
             ids = [i for i, b in enumerate(self.token_bytes) if b]      # no empty or special tokens
             lens = np.array([len(self.token_bytes[i]) for i in ids], dtype=np.int64)
@@ -85,7 +85,9 @@ class TokenVocab:
                 data = self.token_bytes[ids[k]]
                 matrix[row, :len(data)] = np.frombuffer(data, dtype=np.uint8)
             active = [int((lens > j).sum()) for j in range(matrix.shape[1])]
-            self.__dict__["_walk"] = (torch.tensor(np.array(ids, dtype=np.int64)[order]), matrix, active)
+            # stored byte-column by byte-column ([L, N]): step j reads one contiguous row
+            self.__dict__["_walk"] = (torch.tensor(np.array(ids, dtype=np.int64)[order]),
+                                      np.ascontiguousarray(matrix.T), active)
         return self.__dict__["_walk"]
 
 
@@ -107,13 +109,13 @@ class TokenIndex:
 
     def _compute(self, state: int) -> torch.Tensor:
         table, dead = self.dfa.table, self.dfa.dead
-        states = table[state, self.bytes[:, 0]]             # every token's first byte, at once
+        states = table[state][self.bytes[0]]                # every token's first byte, at once
         live = np.flatnonzero(states != dead)               # most tokens die here in a tight state
         for j in range(1, len(self.active)):
             live = live[live < self.active[j]]             # still alive and longer than j
             if live.size == 0:
                 break
-            states[live] = table[states[live], self.bytes[live, j]]
+            states[live] = table[states[live], self.bytes[j, live]]
             live = live[states[live] != dead]
         mask = torch.zeros(self.vocab.vocab_size, dtype=torch.bool)
         mask[self.ids[torch.from_numpy(states != dead)]] = True
