@@ -144,9 +144,9 @@ SCHEMAS = st.recursive(SCALAR_SCHEMAS, lambda inner: st.one_of(
 @FAST
 @given(SCHEMAS, st.integers(0, 2**16))
 def test_guided_json_on_random_logits_validates(schema, seed):
-    out, ended = _generate(TokenIndex(compile_regex(schema_regex(schema)), VOCAB), seed, 1.0, max_tokens=400)
-    if ended:                                # unbounded integers/numbers may run past max_tokens
-        jsonschema.validate(json.loads(out.decode()), schema)
+    out, ended = _generate(TokenIndex(compile_regex(schema_regex(schema)), VOCAB), seed, 1.0, max_tokens=1000)
+    assert ended, "bounded strings, arrays and numbers: a finite language ends with EOS"
+    jsonschema.validate(json.loads(out.decode()), schema)
 
 
 def test_json_object_regex_takes_nested_json_and_rejects_the_rest():
@@ -262,6 +262,9 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer"},
                                            "city": {"enum": ["Paris", "London", "Rome"]}},
           "required": ["name", "age", "city"]}
+TASK = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 20}, "done": {"type": "boolean"},
+                                         "tags": {"type": "array", "items": {"enum": ["home", "work"]}, "maxItems": 2},
+                                         "owner": {"type": "object", "properties": {"id": {"type": "integer"}}}}}
 ASK = [{"role": "user", "content": "Describe a person as JSON with name, age and city."}]
 
 
@@ -292,18 +295,21 @@ def served(smol_dir):
 def test_llm_batch_of_schema_choice_regex_and_free(served):
     so = StructuredOutputsParams
     params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=so(json=PERSON)),
+              SamplingParams(temperature=0, max_tokens=64, structured_outputs=so(json=TASK)),
               SamplingParams(temperature=0, max_tokens=4, structured_outputs=so(choice=["yes", "no"])),
               SamplingParams(temperature=0, max_tokens=16, structured_outputs=so(regex=r"\(\d{3}\) \d{3}-\d{4}")),
               SamplingParams(temperature=0, max_tokens=12)]
-    asks = [ASK, [{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+    asks = [ASK, [{"role": "user", "content": "Describe a task as JSON."}],
+            [{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
             [{"role": "user", "content": "Give a US phone number."}], [{"role": "user", "content": "Hi!"}]]
     outs = [o.outputs[0] for o in served.llm.chat(asks, params, use_tqdm=False)]       # one batch
     jsonschema.validate(json.loads(outs[0].text), PERSON)
-    assert outs[1].text in ("yes", "no")
-    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", outs[2].text)
-    assert all(o.finish_reason == "stop" for o in outs[:3])
-    alone = served.llm.chat(asks[3], params[3], use_tqdm=False)[0].outputs[0]
-    assert outs[3].token_ids == alone.token_ids                       # the free row is untouched
+    jsonschema.validate(json.loads(outs[1].text), TASK)
+    assert outs[2].text in ("yes", "no")
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", outs[3].text)
+    assert all(o.finish_reason == "stop" for o in outs[:4])
+    alone = served.llm.chat(asks[4], params[4], use_tqdm=False)[0].outputs[0]
+    assert outs[4].token_ids == alone.token_ids                       # the free row is untouched
 
 
 @pytest.mark.slow

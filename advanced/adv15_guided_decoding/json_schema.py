@@ -2,14 +2,15 @@
 
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                       "age": {"type": "integer"}}, "required": ["name", "age"]}
-    ->  \\{"name":"(chars){0,20}","age":-?(0|[1-9][0-9]*)\\}
+    ->  \\{"name":"(chars){0,20}","age":-?(0|[1-9][0-9]{0,15})\\}
 
-Supported: string (minLength/maxLength), integer, number, boolean, null, enum and const (of any
-JSON values), object with properties (nested), array of any supported item schema
-(minItems/maxItems). Every listed property is produced, in the order the schema lists them:
-a fixed order keeps the language regular and the DFA small, and the output still validates
-(extra optional keys are allowed by JSON Schema). Anything else fails with an error that names
-the path of the unsupported part, so a server can answer 400 instead of producing invalid JSON.
+Supported: string (minLength/maxLength), integer and number (at most 16 digits each side of
+the point), boolean, null, enum and const (of any JSON values), object with properties (nested),
+array of any supported item schema (minItems/maxItems). Every listed property is produced, in
+the order the schema lists them: a fixed order keeps the language regular and the DFA small,
+and the output still validates (an optional property may be present). Anything else fails
+with an error naming the path of the unsupported part, so a server answers 400 instead of
+producing JSON the schema does not describe.
 
 json_object (OpenAI's response_format {"type": "json_object"}) is any JSON value nested at most
 `depth` levels: nesting without a bound is not regular, which is why grammar engines (xgrammar,
@@ -21,8 +22,11 @@ import json
 
 # A JSON string: any ASCII character but '"', '\\' and control bytes, or an escape.
 STRING_CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt])'
-INTEGER = r"-?(0|[1-9][0-9]*)"
-NUMBER = INTEGER + r"(\.[0-9]+)?([eE][-+]?[0-9]+)?"
+# Numbers have bounded digits (16, what a float64 holds exactly; exponents 3): with maxLength on
+# strings and maxItems on arrays, every schema's language is then finite, so a guided answer
+# always reaches an accepting state with nothing left but EOS, and ends.
+INTEGER = r"-?(0|[1-9][0-9]{0,15})"
+NUMBER = INTEGER + r"(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,3})?"
 SCALARS = {"integer": INTEGER, "number": NUMBER, "boolean": "(true|false)", "null": "null"}
 META = set(r"\.^$|?*+()[]{}/")
 
