@@ -330,6 +330,10 @@ def test_server_response_format_and_vllm_fields(served):
     r = c.chat.completions.create(model="smol-adv15", messages=ASK, temperature=0, max_tokens=8,
                                   extra_body={"structured_outputs": {"regex": "[0-9]{2}"}})
     assert re.fullmatch("[0-9]{2}", r.choices[0].message.content)
+    chunks = c.chat.completions.create(model="smol-adv15", messages=ASK, temperature=0, max_tokens=48, stream=True,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "person", "schema": PERSON}})
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref    # streamed: the same
     bad = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
             "type 'strnig' is not supported"),
            ({"extra_body": {"guided_regex": "(ab"}}, "missing ')'"),

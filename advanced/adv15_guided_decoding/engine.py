@@ -57,10 +57,11 @@ class GuidedMixin:
         seqs = self._step_seqs                              # set by advanced 02's run_model
         logits = super().compute_logits(hidden)             # penalties (if any) come first
         guides = [getattr(s, "guide", None) for s in seqs]
-        if any(g is not None for g in guides):
-            if not isinstance(self.sampler, GuidedSampler):
-                raise RuntimeError("a guided request needs the engine's sampler to be a GuidedSampler")
-            self.sampler.pending = guides
+        guided = any(g is not None for g in guides)
+        if isinstance(self.sampler, GuidedSampler):
+            self.sampler.pending = guides if guided else None     # never a stale list from another step
+        elif guided:
+            raise RuntimeError("a guided request needs the engine's sampler to be a GuidedSampler")
         return logits
 
 
