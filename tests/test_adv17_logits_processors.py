@@ -238,11 +238,11 @@ def test_batch_with_joins_and_leaves_equals_each_request_alone(llm):
     tok = llm.tokenizer
     word = lambda w: tok.encode(w, add_special_tokens=False)[0]     # noqa: E731
     params = [SamplingParams(temperature=0, max_tokens=3),
-              SamplingParams(temperature=0, max_tokens=6, logit_bias={word(" blue"): 6.0}),
-              SamplingParams(temperature=0, max_tokens=6, min_tokens=5),
+              SamplingParams(temperature=0, max_tokens=5, logit_bias={word(" blue"): 6.0}),
+              SamplingParams(temperature=0, max_tokens=5, min_tokens=4),
               SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[word(w) for w in
                                                                               (" yes", " no", " maybe", ".")]),
-              SamplingParams(temperature=0, max_tokens=6, logits_processors=[_no_repeat]),
+              SamplingParams(temperature=0, max_tokens=5, logits_processors=[_no_repeat]),
               SamplingParams(temperature=0.8, max_tokens=4, epsilon_cutoff=0.02, seed=3)]
     prompts = [_chat(llm, q) for q in ("Reply with one word: yes or no?", "What colour is the sky?",
                                         "Hi", "Is water wet?", "Count: one one one one", "Tell me a story.")]
@@ -260,16 +260,15 @@ def test_batch_with_joins_and_leaves_equals_each_request_alone(llm):
 def test_min_tokens_holds_eos_back_and_equals_the_callable_version(llm):
     prompt = {"prompt_token_ids": _chat(llm, "Reply with one word: yes or no?")}
     eos = set(llm.engine.eos_ids)
-    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
-    assert plain.finish_reason == "stop" and len(plain.token_ids) < 8     # the model stops early by itself
-    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=8),
-                        use_tqdm=False)[0].outputs[0]
-    assert len(held.token_ids) >= 8 and not eos & set(held.token_ids[:7])
 
     def hold_eos(out, row):
-        return row.index_fill(0, torch.tensor(sorted(eos)), float("-inf")) if len(out) < 8 else row
-    by_hand = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, logits_processors=[hold_eos]),
-                           use_tqdm=False)[0].outputs[0]
+        return row.index_fill(0, torch.tensor(sorted(eos)), float("-inf")) if len(out) < 6 else row
+    plain, held, by_hand = (o.outputs[0] for o in llm.generate([prompt] * 3, [
+        SamplingParams(temperature=0, max_tokens=10),
+        SamplingParams(temperature=0, max_tokens=10, min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=10, logits_processors=[hold_eos])], use_tqdm=False))
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 6     # the model stops early by itself
+    assert len(held.token_ids) >= 6 and not eos & set(held.token_ids[:5])
     assert by_hand.token_ids == held.token_ids
 
 
