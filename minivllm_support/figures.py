@@ -107,6 +107,18 @@ COMMANDS: list[Command] = [
          full=()),
     _run("advanced/adv08_data_parallel", "--conversations", "4", what="DP replicas behind a router: hit rate, "
          "TTFT/E2EL per policy, cost model, vs one engine", full=()),
+    _run("advanced/adv09_overlap", *QUICK, what="two-batch overlap: step time with and without, share of all-reduce "
+         "time hidden", full=()),
+    _run("advanced/adv10_pd_disaggregation", what="prefill/decode disaggregation: TTFT split, ITL with long prompts, "
+         "KV bytes and link prices, goodput, vs colocated", full=()),
+    _run("advanced/adv11_afd", *QUICK, what="attention/FFN disaggregation: micro-batch ping-pong, busy shares, "
+         "bytes per layer, attention:FFN ratio", full=()),
+    _run("advanced/adv12_moe", *QUICK, what="MoE: routing counts, EPLB balancedness, expert parallel vs one process",
+         full=()),
+    _run("advanced/adv13_linear_attention", "--quick", what="hybrid (gated DeltaNet + attention) vs attention-only: "
+         "memory, decode step, state checkpoints", full=()),
+    _run("advanced/adv14_multi_lora", what="multi-LoRA: 1/4/16 adapters in one batch vs base and vs merged per adapter, "
+         "LRU swaps", full=()),
     _bench("step14_batched_forward", "bench.py", None, ("--ladder", "--hf-batch", "16"),
            "lesson 14 vs HF generate on the Qwen3-0.6B-shaped bench workload"),
     _bench("step15_flash_attention", "bench.py", ("kernel", "--kernel-length", "2048", "--reps", "3"), ("kernel",),
