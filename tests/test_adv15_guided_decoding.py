@@ -232,10 +232,32 @@ def smol_vocab(smol_tokenizer):
             reference.llguidance_tokenizer(smol_tokenizer, n, eos))
 
 
+@pytest.fixture(scope="module")
+def qwen3_vocab():
+    from transformers import PreTrainedTokenizerFast
+
+    from advanced.adv15_guided_decoding import reference
+    from minivllm_support.models import qwen3_tokenizer_json
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(qwen3_tokenizer_json()))
+    n, eos = 151936, [tok.convert_tokens_to_ids("<|im_end|>")]        # the model's vocab > the tokenizer's
+    return (TokenVocab.from_hf(tok, n, eos), reference.xgrammar_compiler(tok, n, eos),
+            reference.llguidance_tokenizer(tok, n, eos))
+
+
 @pytest.mark.parametrize("regex", DIFF_REGEXES)
 def test_allowed_tokens_equal_xgrammar_on_random_prefixes(smol_vocab, regex):
+    _differential(smol_vocab, regex)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regex", DIFF_REGEXES)
+def test_allowed_tokens_equal_xgrammar_on_qwen3_vocabulary(qwen3_vocab, regex):
+    _differential(qwen3_vocab, regex)
+
+
+def _differential(vocabs, regex: str) -> None:
     from advanced.adv15_guided_decoding.reference import LLGuidanceGuide, XgrammarGuide
-    vocab, xgr_compiler, lltok = smol_vocab
+    vocab, xgr_compiler, lltok = vocabs
     index = TokenIndex(compile_regex(regex), vocab)
     rng = torch.Generator().manual_seed(len(regex))
     for _ in range(2):                                     # random valid token paths to EOS

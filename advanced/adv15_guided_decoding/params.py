@@ -35,7 +35,7 @@ class StructuredOutputsParams:
                 (["json_object"] if self.json_object else [])
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, json_object; got {given}")
-        compile_regex(self.to_regex())                 # fails now, naming the problem
+        compile_regex(self.to_regex())                 # a bad constraint fails here, named
 
     def to_regex(self) -> str:
         if self.regex is not None:
