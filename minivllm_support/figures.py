@@ -119,6 +119,9 @@ COMMANDS: list[Command] = [
          "memory, decode step, state checkpoints", full=()),
     _run("advanced/adv14_multi_lora", what="multi-LoRA: 1/4/16 adapters in one batch vs base and vs merged per adapter, "
          "LRU swaps", full=()),
+    _run("advanced/adv15_guided_decoding", *QUICK, what="guided decoding: masks vs xgrammar/llguidance", full=()),
+    _run("advanced/adv17_logits_processors", *QUICK, what="logits processors: restricted scoring, cost per step, the "
+         "argmax-invariant skip", full=()),
     _bench("step14_batched_forward", "bench.py", None, ("--ladder", "--hf-batch", "16"),
            "lesson 14 vs HF generate on the Qwen3-0.6B-shaped bench workload"),
     _bench("step15_flash_attention", "bench.py", ("kernel", "--kernel-length", "2048", "--reps", "3"), ("kernel",),
