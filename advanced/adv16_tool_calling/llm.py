@@ -1,0 +1,42 @@
+"""Tool calling with the LLM API: advanced 15's GuidedLLM, the tools prompt, the parser.
+
+    with GuidedLLM() as llm:
+        out = chat_with_tools(llm, messages, tools, tool_choice="required", max_tokens=80)
+        out.tool_calls -> [ToolCall(name, arguments JSON text, id)], out.content -> the rest
+
+tool_choice "required" / a named function puts tools.py's constraint into the request's
+SamplingParams (structured_outputs), so every call that ends (EOS) parses and its arguments
+fit the tool's schema; "auto" generates freely and parses what came; "none" leaves the tools
+out of the prompt and does not parse.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from advanced.adv15_guided_decoding.engine import GuidedLLM
+from advanced.adv15_guided_decoding.params import SamplingParams
+
+from .parser import ParsedOutput, parse_tool_calls
+from .tools import check_tools, render_tool_prompt, tool_choice_constraint
+
+
+def tool_request(llm: GuidedLLM, messages: list[dict], tools: list[dict] | None, tool_choice="auto",
+                 params: SamplingParams | None = None, chat_template_kwargs: dict | None = None
+                 ) -> tuple[list[int], SamplingParams]:
+    """The prompt ids and params of one tool-calling request (the server builds the same)."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=128)
+    specs = check_tools(tools) if tools else []
+    if tool_choice not in (None, "auto", "none") and not specs:
+        raise ValueError("tool_choice: needs tools")
+    constraint = tool_choice_constraint(specs, tool_choice) if specs else None
+    if constraint is not None:
+        params = replace(params, structured_outputs=constraint)
+    text = render_tool_prompt(llm.tokenizer, messages, None if tool_choice == "none" else tools, chat_template_kwargs)
+    return llm.tokenizer.encode(text, add_special_tokens=False), params
+
+
+def chat_with_tools(llm: GuidedLLM, messages: list[dict], tools: list[dict] | None, tool_choice="auto",
+                    params: SamplingParams | None = None, chat_template_kwargs: dict | None = None) -> ParsedOutput:
+    ids, params = tool_request(llm, messages, tools, tool_choice, params, chat_template_kwargs)
+    text = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].text
+    return ParsedOutput(text, []) if tool_choice == "none" or not tools else parse_tool_calls(text)
