@@ -63,8 +63,8 @@ class AgentRun:
     messages: list[dict] = field(default_factory=list)
 
 
-def agent_loop(client, model: str, question: str, first_choice="required", max_turns: int = 3,
-               max_tokens: int = 96, parallel_tool_calls: bool = False) -> AgentRun:
+def agent_loop(client, model: str, question: str, first_choice="required", max_turns: int = 2,
+               max_tokens: int = 48, parallel_tool_calls: bool = False) -> AgentRun:
     run = AgentRun(messages=[{"role": "user", "content": question}])
     for turn in range(max_turns):
         # the first turn as asked; the last with tool_choice "none", so that the loop ends in an answer
