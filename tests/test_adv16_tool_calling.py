@@ -211,3 +211,59 @@ def test_openai_client_agent_loop_stream_and_errors(served):
             c.chat.completions.create(model="smol-adv16", messages=ask["messages"], max_tokens=4, **kwargs)
         assert e.value.body["param"] in ("tools[0].function.name", "tool_choice")
     assert not served.llm.engine.has_unfinished()
+
+
+# ---- the server's request checks and renderer, without an engine ------------------------------
+def _request(**fields):
+    from advanced.adv16_tool_calling.server import ToolChatRequest
+    req = ToolChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+    req.check_unsupported()
+    return req
+
+
+@pytest.mark.parametrize("fields, param, problem", [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "letters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+])
+def test_server_request_errors_name_the_field(fields, param, problem):
+    from step20_http_serve.protocol import APIError
+    with pytest.raises(APIError, match=problem) as e:
+        _request(**fields)
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_server_request_feeds_back_calls_and_constrains_required():
+    call = {"id": "c1", "type": "function", "function": {"name": "calculate", "arguments": "{}"}}
+    req = _request(tools=TOOLS, tool_choice="required", messages=[
+        {"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}])
+    assert [m.as_dict() for m in req.messages][1:] == [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                                       {"role": "tool", "content": "5", "tool_call_id": "c1"}]
+    assert req.parse_tools and req.sampling_params(32, None).structured_outputs is not None
+    assert not _request(tools=TOOLS, tool_choice="none").parse_tools
+    assert _request(tools=TOOLS).sampling_params(32, None).structured_outputs is None       # auto: free
+
+
+def test_renderer_streams_the_same_calls_it_returns_whole():
+    from types import SimpleNamespace
+
+    from advanced.adv16_tool_calling.server import ToolChatRenderer
+    from step20_http_serve.async_llm import Delta
+    text = "ok " + CALL
+    cuts = [text[i:i + 5] for i in range(0, len(text), 5)]
+    deltas = [Delta(0, t, 0, None) for t in cuts[:-1]] + [Delta(0, cuts[-1], 0, None, finish_reason="stop")]
+    llm = SimpleNamespace(model_name="m")
+    streamed = ToolChatRenderer(llm, 1, 3, False, None, parse=True)
+    chunks = [c for c in (streamed.chunk(d) for d in deltas) if c is not None]
+    whole = ToolChatRenderer(llm, 1, 3, False, None, parse=True)
+    for d in deltas:
+        whole.add(d)
+    choice = whole.response()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" == chunks[-1]["choices"][0]["finish_reason"]
+    assert choice["message"]["content"] == "ok "
+    joined = join_deltas([c["choices"][0]["delta"] for c in chunks])
+    assert joined.content == "ok " and [(c.name, c.arguments) for c in joined.tool_calls] == \
+        [(tc["function"]["name"], tc["function"]["arguments"]) for tc in choice["message"]["tool_calls"]]

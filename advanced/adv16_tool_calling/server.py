@@ -87,7 +87,8 @@ class ToolChatRequest(adv15.ChatCompletionRequest):
         specs, choice = self.specs(), self.choice
         try:
             if choice not in ("auto", "none"):
-                named_choice(choice) if choice != "required" else None
+                if choice != "required":
+                    named_choice(choice)                 # a ValueError for a bad shape
                 if not specs:
                     raise ValueError(f"tool_choice: {choice!r} needs tools")
             max_calls = 1 if self.parallel_tool_calls is False else MAX_PARALLEL_CALLS
