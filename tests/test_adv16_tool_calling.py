@@ -155,7 +155,8 @@ def served(smol_dir):
     from advanced.adv16_tool_calling.server import build_tool_app
     from step20_http_serve.server import ServerThread
 
-    llm = GuidedLLM(smol_dir, dtype="fp32", enforce_eager=True, max_num_seqs=8)
+    # "auto" (bf16 where the CPU has it): nothing here compares tokens with another engine
+    llm = GuidedLLM(smol_dir, dtype="auto", enforce_eager=True, max_num_seqs=8)
     engine = AdvAsyncLLM(llm, "smol-adv16")
     try:
         with ServerThread(build_tool_app(engine)) as url:
