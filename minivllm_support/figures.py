@@ -120,6 +120,8 @@ COMMANDS: list[Command] = [
     _run("advanced/adv14_multi_lora", what="multi-LoRA: 1/4/16 adapters in one batch vs base and vs merged per adapter, "
          "LRU swaps", full=()),
     _run("advanced/adv15_guided_decoding", *QUICK, what="guided decoding: masks vs xgrammar/llguidance", full=()),
+    _run("advanced/adv16_tool_calling", what="tool calling: tool_choice auto vs required (calls that parse, "
+         "validate, give the right result), the agent loop over the openai client", full=()),
     _run("advanced/adv17_logits_processors", *QUICK, what="logits processors: restricted scoring, cost per step, the "
          "argmax-invariant skip", full=()),
     _bench("step14_batched_forward", "bench.py", None, ("--ladder", "--hf-batch", "16"),
