@@ -104,11 +104,12 @@ def test_ctrl_c_stops_the_reply_the_server_aborts_it_and_the_chat_goes_on(server
             stats = server.llm.engine.stats()
         assert stats.num_running == 0 and stats.kv_blocks_used == 0
         child.sendline("/reset")
-        child.expect("conversation forgotten")
+        child.expect(r"conversation forgotten\)\r\n> ")         # up to the next prompt
         child.sendline("What is 2+2?")                          # the chat still answers
-        child.expect(r"\r\n> ", timeout=120)
+        child.expect(r"2\+2\?\r\n")                             # the echo
+        child.expect(r"\r\n> ", timeout=120)                    # the reply, then the prompt
         assert child.before.strip()
-        child.sendeof()
+        child.sendeof()                                         # at the prompt: the chat ends
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
