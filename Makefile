@@ -24,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests -m 'not slow'
 
-# What `make test` leaves out (tests marked slow, about two minutes): the two-machine runs on loopback,
+# What `make test` leaves out (tests marked slow, about eight minutes): the two-machine runs on loopback,
 # the multi-process runs on the embedded model, lesson 20's server as a process. CI runs them after `make test`.
 test-slow: $(STAMP)
 	$(PY) -m pytest tests -m slow
