@@ -62,16 +62,20 @@ class LLM:
         self.model_dir = resolve_model(model)
         self.tokenizer = load_tokenizer(self.model_dir)
         torch.set_grad_enabled(False)
-        self.engine: LogprobsEngine = build_engine(
-            self.model_dir, self.dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-            launch=launch)
+        self.engine: LogprobsEngine = self.make_engine(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv_cache_bytes=kv_cache_bytes,
+            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, launch=launch)
         cfg, bm = self.engine.model.config, self.engine.scheduler.block_manager
         # The longest sequence this engine can hold: the model's positions, or the KV pool
         # (less the block lesson 16 keeps for padded rows), whichever is shorter.
         self.max_model_len = min(cfg.max_position_embeddings, (bm.num_blocks - 1) * bm.block_size)
         self.vocab_size = cfg.vocab_size
         self._request_ids = itertools.count()
+
+    def make_engine(self, **limits) -> LogprobsEngine:
+        """The engine for self.model_dir and self.dtype (engine.py's build_engine); an advanced
+        lesson's LLM overrides this to serve with its own engine, built once."""
+        return build_engine(self.model_dir, self.dtype, **limits)
 
     # ---- prompts -------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -45,19 +45,20 @@ class LoRALLM(LLM):
                  max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20):
         """max_loras: adapters resident at once (vLLM's --max-loras); max_lora_rank: the largest
         rank accepted (slots are sized for it); lora_strategy: lora_linear.py's segments / stacked / auto."""
+        self._lora_options = dict(max_loras=max_loras, max_lora_rank=max_lora_rank, lora_strategy=lora_strategy)
         super().__init__(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          kv_cache_bytes=kv_cache_bytes, enforce_eager=True)
-        # Lesson 19's LLM has no way to be handed another engine: its own (lesson 16's fast path)
-        # is built, then replaced by this lesson's, from the same folder, dtype and limits. The
-        # cost is one more load of the weights at start.
-        self.engine.close()
-        config = PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      kv_cache_bytes=kv_cache_bytes)
-        self.engine = build_lora_engine(load_model(self.model_dir, self.dtype), config, max_loras=max_loras,
-                                        max_lora_rank=max_lora_rank, lora_strategy=lora_strategy)
         bm = self.engine.scheduler.block_manager
         self.max_model_len = min(self.engine.model.config.max_position_embeddings, bm.num_blocks * bm.block_size)
         self._lora: LoRAArg = None
+
+    def make_engine(self, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_bytes: int,
+                    **_lesson19_only) -> LoRAEngine:
+        """Lesson 19's hook: this lesson's engine (lesson 15's parts with LoRA linears) instead of
+        lesson 16's fast path; tensor parallelism and graph capture are not part of it."""
+        config = PagedSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      kv_cache_bytes=kv_cache_bytes)
+        return build_lora_engine(load_model(self.model_dir, self.dtype), config, **self._lora_options)
 
     def register_lora(self, request: LoRARequest) -> None:
         """Check an adapter folder now (a server does this at start) instead of at its first request."""
