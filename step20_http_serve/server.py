@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Callable
 
 # The exit code of a server whose engine died (lesson 18's faults.py): not 0, so a supervisor
 # (systemd, Kubernetes, a shell loop) restarts it; 3, so a log tells it from a crash (1) or a kill.
@@ -31,17 +32,20 @@ def build_server(model: str | None = None, *, served_model_name: str | None = No
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
                  enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True,
                  fault_marker: str | None = None, policy: FaultPolicy | None = None,
-                 tensor_parallel_size: int = 1, launch=None):
+                 tensor_parallel_size: int = 1, launch=None, llm_class: type = LLM,
+                 async_llm_class: type = AsyncLLM, make_app: Callable = build_app):
     """(the FastAPI app, its AsyncLLM); call the AsyncLLM's shutdown() when done serving.
     threaded=False: `serve` must run it (the engine loop in the calling thread).
     fault_marker: a lesson and soak tool: the step holding a prompt with this text raises.
-    policy: when step faults make the engine dead (default: 3 within 60 s)."""
-    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
-              tensor_parallel_size=tensor_parallel_size, launch=launch)
+    policy: when step faults make the engine dead (default: 3 within 60 s).
+    llm_class, async_llm_class, make_app(engine, max_body_bytes=...): what a later lesson swaps
+    in (its LLM, its async layer, its request classes or routes); the rest stays this lesson's."""
+    llm = llm_class(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
+                    tensor_parallel_size=tensor_parallel_size, launch=launch)
     arm_fault_marker(llm, fault_marker)
-    engine = AsyncLLM(llm, served_model_name, threaded, policy)
-    return build_app(engine, max_body_bytes=max_body_bytes), engine
+    engine = async_llm_class(llm, served_model_name, threaded, policy)
+    return make_app(engine, max_body_bytes=max_body_bytes), engine
 
 
 def arm_fault_marker(llm, marker: str | None) -> None:

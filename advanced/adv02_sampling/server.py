@@ -15,18 +15,19 @@ this lesson's SamplingParams. The rest of the server is lesson 20's, unchanged:
 """
 from __future__ import annotations
 
+from functools import partial
+
 from typing import Annotated, AsyncIterator
 
 from pydantic import BaseModel, Field, StrictStr
 
-from step18_benchmark.faults import FaultPolicy
 from step19_real_model.params import SamplingParams as LLMSamplingParams
 from step20_http_serve import protocol
 from step20_http_serve.__main__ import main
 from step20_http_serve.api import _engine_error, build_app
 from step20_http_serve.async_llm import AsyncLLM, Delta
 from step20_http_serve.protocol import Float
-from step20_http_serve.server import arm_fault_marker
+from step20_http_serve.server import build_server as lesson20_build_server
 
 from .engine import AdvLLM, bad_words_to_ids, check_token_ids
 from .params import SamplingParams
@@ -77,20 +78,9 @@ class AdvAsyncLLM(AsyncLLM):
         return super().generate(ready)
 
 
-def build_server(model: str | None = None, *, served_model_name: str | None = None, dtype: str = "auto",
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
-                 enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True,
-                 fault_marker: str | None = None, policy: FaultPolicy | None = None,
-                 tensor_parallel_size: int = 1, launch=None):
-    """Lesson 20's build_server with AdvLLM and these request classes: (app, AdvAsyncLLM)."""
-    llm = AdvLLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                 kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
-                 tensor_parallel_size=tensor_parallel_size, launch=launch)
-    arm_fault_marker(llm, fault_marker)
-    engine = AdvAsyncLLM(llm, served_model_name, threaded, policy)
-    app = build_app(engine, max_body_bytes=max_body_bytes, completion_request=CompletionRequest,
-                    chat_request=ChatCompletionRequest)
-    return app, engine
+# Lesson 20's build_server with AdvLLM, its async layer and these request classes: (app, AdvAsyncLLM).
+build_server = partial(lesson20_build_server, llm_class=AdvLLM, async_llm_class=AdvAsyncLLM,
+                       make_app=partial(build_app, completion_request=CompletionRequest, chat_request=ChatCompletionRequest))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ lesson 20's:
 """
 from __future__ import annotations
 
+from functools import partial
+
 from dataclasses import replace
 from typing import Any
 
@@ -30,13 +32,12 @@ from pydantic import StrictBool, StrictStr
 from advanced.adv02_sampling.server import AdvAsyncLLM
 from advanced.adv15_guided_decoding import server as adv15
 from advanced.adv15_guided_decoding.engine import GuidedLLM
-from step18_benchmark.faults import FaultPolicy
 from step20_http_serve.__main__ import main
 from step20_http_serve.api import _params, _parse, _read_json, _serve, build_app
 from step20_http_serve.async_llm import AsyncLLM, Delta
 from step20_http_serve.protocol import APIError, ChatMessage
 from step20_http_serve.responses import ChatRenderer
-from step20_http_serve.server import arm_fault_marker
+from step20_http_serve.server import build_server as lesson20_build_server
 
 from .parser import ToolCallStreamParser, parse_tool_calls
 from .tools import MAX_PARALLEL_CALLS, ToolSpec, check_tools, named_choice, render_tool_prompt, tool_choice_constraint
@@ -181,18 +182,8 @@ def build_tool_app(engine: AsyncLLM, max_body_bytes: int = 16 * 2**20):
     return app
 
 
-def build_server(model: str | None = None, *, served_model_name: str | None = None, dtype: str = "auto",
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, kv_cache_bytes: int = 512 * 2**20,
-                 enforce_eager: bool = False, max_body_bytes: int = 16 * 2**20, threaded: bool = True,
-                 fault_marker: str | None = None, policy: FaultPolicy | None = None,
-                 tensor_parallel_size: int = 1, launch=None):
-    """Lesson 20's build_server with GuidedLLM and tool calling: (app, AdvAsyncLLM)."""
-    llm = GuidedLLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                    kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
-                    tensor_parallel_size=tensor_parallel_size, launch=launch)
-    arm_fault_marker(llm, fault_marker)
-    engine = AdvAsyncLLM(llm, served_model_name, threaded, policy)
-    return build_tool_app(engine, max_body_bytes), engine
+# Lesson 20's build_server with GuidedLLM and this lesson's app (its chat route): (app, AdvAsyncLLM).
+build_server = partial(lesson20_build_server, llm_class=GuidedLLM, async_llm_class=AdvAsyncLLM, make_app=build_tool_app)
 
 
 if __name__ == "__main__":
