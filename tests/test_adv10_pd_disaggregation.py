@@ -275,3 +275,21 @@ def test_prefill_lost_before_a_load_opens_is_counted_once(tiny_qwen3_dir, tmp_pa
     while dec.has_unfinished():
         dec.step()
     assert len(dec.fallbacks) == 1 and len(seq.output_token_ids) == 6 and _full(dec)
+
+
+def test_news_that_overtakes_the_load_is_kept_for_it(tiny_qwen3_dir, tmp_path, colocated_tokens):
+    """The launcher's "started"/"prefilled" can reach the decode engine in the same batch of
+    messages as the request, before its load opens: they must still arm it, else a lost layer
+    would be waited for forever."""
+    _, store, pre, dec = _engines(tiny_qwen3_dir, tmp_path, timeout_s=0.2, drop={(1, 1), (2, 1)})
+    prompts = _prompts()
+    _prefill_all(pre, prompts)
+    seqs = [dec.add_consumer(rid, p, _params(), prompt_key(p, rid)) for rid, p in enumerate(prompts)]
+    dec.worker.producer_done(1)                                      # both before advance_transfers
+    dec.worker.arm(2)
+    while dec.has_unfinished():
+        dec.step()
+    reasons = {f.req_id: f.reason for f in dec.fallbacks}
+    assert sorted(reasons) == [1, 2] and "never arrived" in reasons[1] and "within 0.2 s" in reasons[2]
+    assert [s.output_token_ids for s in seqs] == colocated_tokens and dec.worker.told == {}
+    assert _full(pre) and _full(dec) and store.keys() == []

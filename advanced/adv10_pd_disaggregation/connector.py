@@ -146,10 +146,24 @@ class OpenLoad:
 
 
 class ConnectorWorker:
-    """The worker side's interface; a transport fills in the four methods."""
+    """The worker side's interface; a transport fills in the layer methods."""
+
+    def __init__(self, num_layers: int, transfer_timeout_s: float):
+        self.num_layers, self.transfer_timeout_s = num_layers, transfer_timeout_s
+        self.open: dict[int, OpenLoad] = {}
+        # The launcher's news about a request can overtake its load: the decode process may
+        # read "started" and "prefilled" in the same batch of messages as the request itself,
+        # before the scheduler has given it blocks. Kept here, applied when the load opens.
+        self.told: dict[int, str] = {}         # req id -> "started" | "done"
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
-        raise NotImplementedError
+        for spec in meta.loads:
+            self.open[spec.req_id] = OpenLoad(spec)
+            news = self.told.pop(spec.req_id, None)
+            if news == "started":
+                self.arm(spec.req_id)
+            elif news == "done":
+                self.producer_done(spec.req_id)
 
     def wait_for_layer_load(self, req_id: int, layer: int, timeout_s: float = 0.0) -> bool:
         raise NotImplementedError
@@ -172,15 +186,14 @@ class ConnectorWorker:
     # (the store's writes return when the file is in place); False: layers may still be on the
     # way (gloo's sends finish later), so only the timeout can declare one lost.
     lands_before_done: bool = True
-    num_layers: int
-    transfer_timeout_s: float
-    open: dict[int, OpenLoad]
 
     def arm(self, req_id: int) -> None:
         """The producer has started this request: from now on, a layer that takes longer than
         transfer_timeout_s after the previous one is lost."""
         load = self.open.get(req_id)
-        if load is not None and not load.armed:
+        if load is None:
+            self.told.setdefault(req_id, "started")
+        elif not load.armed:
             load.armed, load.last_progress = True, time.perf_counter()
 
     def progress(self, wait_s: float = 0.0) -> tuple[list[OpenLoad], dict[int, tuple[OpenLoad, str]]]:
@@ -211,13 +224,16 @@ class ConnectorWorker:
     def producer_done(self, req_id: int) -> None:
         """The producer finished the request: every layer it sent is already there."""
         load = self.open.get(req_id)
-        if load is not None:
+        if load is None:
+            self.told[req_id] = "done"
+        else:
             load.producer_done = True
             if not load.armed:
                 load.armed, load.last_progress = True, time.perf_counter()
 
     def give_up(self, req_id: int) -> OpenLoad | None:
         """Stop waiting for this load (its producer is gone); returns it, or None if not open."""
+        self.told.pop(req_id, None)
         return self.open.pop(req_id, None)
 
 

@@ -11,8 +11,9 @@
 Why a thread: gloo is receiver-driven (a send completes only once the matching receive is
 posted), and a gloo receive cannot be polled (its `is_completed` stays false until someone
 waits on it) nor waited on with a time-out and then waited on again. So one thread waits for
-everything, in the order it was sent, and the engine only ever looks at a queue. A layer for
-a load already given up is read and dropped, so nothing stays posted and nothing leaks. What
+everything, in the order it was sent, and the engine only ever looks at a queue. A layer that
+comes before its load is open is kept for it; one for a load already over is read and dropped,
+so nothing stays posted and nothing leaks. What
 this transport cannot tell by itself: that the prefill process died (the launcher tells the
 decode engine, and the transfer timeout is the last resort, as with the store).
 """
@@ -36,11 +37,11 @@ class GlooConnectorWorker(ConnectorWorker):
 
     def __init__(self, pool, num_layers: int, transfer_timeout_s: float = 10.0,
                  drop_layers: set[tuple[int, int]] | None = None, timeline=None, role: str = "decode"):
-        self.pool, self.num_layers = pool, num_layers
-        self.transfer_timeout_s = transfer_timeout_s
+        super().__init__(num_layers, transfer_timeout_s)
+        self.pool = pool
         self.drop_layers = drop_layers or set()
-        self.open: dict[int, OpenLoad] = {}
         self.landed: dict[tuple[int, int], torch.Tensor] = {}     # (request, layer) -> [2, blocks, ...]
+        self.closed: set[int] = set()            # requests whose load is over: late layers are dropped
         self.inbox: queue.Queue = queue.Queue()
         self.sending: list[tuple[dist.Work, torch.Tensor]] = []
         self._saves: list[SaveSpec] = []
@@ -69,10 +70,6 @@ class GlooConnectorWorker(ConnectorWorker):
         except Exception as e:  # noqa: BLE001 - the prefill process is gone: nothing more will come
             self.receiver_error = f"{type(e).__name__}: {e}"
 
-    def start_load_kv(self, meta: ConnectorMetadata) -> None:
-        for spec in meta.loads:
-            self.open[spec.req_id] = OpenLoad(spec)
-
     def wait_for_layer_load(self, req_id: int, layer: int, timeout_s: float = 0.0) -> bool:
         deadline = time.perf_counter() + timeout_s
         while (req_id, layer) not in self.landed:
@@ -80,7 +77,7 @@ class GlooConnectorWorker(ConnectorWorker):
                 r, l, buf = self.inbox.get(timeout=max(0.0, deadline - time.perf_counter()))
             except queue.Empty:
                 return False
-            if r in self.open:                    # else: a load given up; the layer is dropped
+            if r not in self.closed:              # may be a load not opened yet: kept for it
                 self.landed[(r, l)] = buf
         t0 = time.perf_counter_ns()
         buf = self.landed.pop((req_id, layer))
@@ -97,8 +94,16 @@ class GlooConnectorWorker(ConnectorWorker):
         return True
 
     def finished(self, load: OpenLoad) -> None:
+        self._close(load.spec.req_id)
+
+    def give_up(self, req_id: int) -> OpenLoad | None:
+        self._close(req_id)                       # given up before it opened: nothing may wait for it
+        return super().give_up(req_id)
+
+    def _close(self, req_id: int) -> None:
+        self.closed.add(req_id)
         for layer in range(self.num_layers):      # layers that came but were never copied
-            self.landed.pop((load.spec.req_id, layer), None)
+            self.landed.pop((req_id, layer), None)
 
     # ---- prefill side --------------------------------------------------------------------------
     def bind(self, meta: ConnectorMetadata) -> None:

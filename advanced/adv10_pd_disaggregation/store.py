@@ -79,20 +79,15 @@ class StoreConnectorWorker(ConnectorWorker):
 
     def __init__(self, store: KVStore, pool, num_layers: int, transfer_timeout_s: float = 10.0,
                  drop_layers: set[tuple[int, int]] | None = None, timeline=None):
-        self.store, self.pool, self.num_layers = store, pool, num_layers
-        self.transfer_timeout_s = transfer_timeout_s
+        super().__init__(num_layers, transfer_timeout_s)
+        self.store, self.pool = store, pool
         self.drop_layers = drop_layers or set()
-        self.open: dict[int, OpenLoad] = {}
         self._saves: list[SaveSpec] = []
         self.bytes_saved = self.bytes_loaded = self.save_errors = 0
         self.saved_at: dict[int, float] = {}      # request -> when its latest layer was handed over
         self.timeline = timeline
 
     # ---- decode side ---------------------------------------------------------------------------
-    def start_load_kv(self, meta: ConnectorMetadata) -> None:
-        for spec in meta.loads:
-            self.open[spec.req_id] = OpenLoad(spec)
-
     def wait_for_layer_load(self, req_id: int, layer: int, timeout_s: float = 0.0) -> bool:
         load = self.open[req_id]
         spec, deadline = load.spec, time.perf_counter() + timeout_s
