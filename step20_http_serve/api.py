@@ -5,6 +5,7 @@
     GET  /v1/models             the one model served
     GET  /health                200 while the engine is alive, 503 once it is dead
     GET  /metrics               Prometheus text (metrics.py)
+    GET  /dashboard             the engine's queues, KV blocks, prefix cache, live (dashboard.py)
 
 Every client mistake is a 4xx with OpenAI's error JSON; a 500 means a bug here. The body is
 read and parsed by hand (not by FastAPI's signature magic) so that a size limit, invalid JSON
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from step18_benchmark.faults import StepFailed
 from step20_http_serve.async_llm import AsyncLLM, Delta
+from step20_http_serve.dashboard import mount_dashboard
 from step20_http_serve.metrics import CONTENT_TYPE
 from step20_http_serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, validation_error)
 from step20_http_serve.responses import ChatRenderer, CompletionRenderer, Renderer
@@ -36,6 +38,8 @@ def build_app(llm: AsyncLLM, max_body_bytes: int = 16 * 2**20, completion_reques
               chat_request: type = ChatCompletionRequest) -> FastAPI:
     """The app. A later lesson passes its own request classes (advanced lesson 02: penalties)."""
     app = FastAPI(title="mini-vllm", summary="lesson 20: an OpenAI-compatible server")
+    if (engine := getattr(getattr(llm, "front", None), "engine", None)) is not None:
+        mount_dashboard(app, engine)        # GET /dashboard: the engine's state, live (dashboard.py)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
