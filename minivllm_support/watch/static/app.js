@@ -68,9 +68,10 @@ function drawKv(ev) {
     cell.title = `block ${b}: ${names[s]}` + (owner >= 0 ? `, request ${owner}` : "") + `, ref ${ref}`;
     maxRef = Math.max(maxRef, ref);
   }
+  grid.classList.toggle("big", kv.num_blocks <= 256);
   if (maxRef > state.maxRef) {
     state.maxRef = maxRef;
-    log(`step ${ev.step}: a block is shared by ${maxRef} requests (prefix cache)`, "share");
+    if (maxRef > 1) log(`step ${ev.step}: a block is shared by ${maxRef} requests (prefix cache)`, "share");
   }
   $("max-ref").textContent = state.maxRef;
   $("kv-counts").innerHTML = `<span id="kv-used">${kv.used}</span> used, <span id="kv-cached">${kv.cached}</span>` +
@@ -163,12 +164,13 @@ function drawCharts() {
   const hc = $("history"), hx = hc.getContext("2d");
   hx.clearRect(0, 0, hc.width, hc.height);
   const now = Math.floor(state.lastT || 0), secs = [];
-  for (let t = now - HISTORY_S + 1; t <= now; t++) secs.push(state.seconds.get(t) || { tokens: 0, kv: null });
-  const tw = hc.width / HISTORY_S, tMax = Math.max(1, ...secs.map((x) => x.tokens));
+  const span = Math.min(HISTORY_S, Math.max(30, now - Math.floor(state.firstT || 0) + 1));
+  for (let t = now - span + 1; t <= now; t++) secs.push(state.seconds.get(t) || { tokens: 0, kv: null });
+  const tw = hc.width / span, tMax = Math.max(1, ...secs.map((x) => x.tokens));
   bars(hx, hc.width, hc.height, secs.map((x) => x.tokens), tMax, "#43a047", 0, tw, []);
   line(hx, hc.height, secs.map((x) => (x.kv === null ? 0 : x.kv)), 100, "#c62828", tw, false);
   hx.fillStyle = "#333";
-  hx.fillText(`max ${tMax} tokens/s; KV line: 0-100 %`, 4, 10);
+  hx.fillText(`last ${span} s: max ${tMax} tokens/s; KV line: 0-100 %`, 4, 10);
 }
 
 function onEvent(ev) {
@@ -196,6 +198,7 @@ function onEvent(ev) {
     state.seconds.set(Math.floor(ev.t), slot);
   }
   state.lastT = ev.t;
+  if (state.firstT === undefined) state.firstT = ev.t;
   for (const k of state.seconds.keys()) if (k < ev.t - HISTORY_S) state.seconds.delete(k);
   drawCharts();
 }
