@@ -126,16 +126,21 @@ class Engine(LLMEngine):
 
 
 # ---- the factories: each makes one part ------------------------------------------------------
-def create_kv_pool(model: nn.Module, config: PagedSchedulerConfig, attention: AttentionBackend, extra_blocks: int = 0):
+def create_kv_pool(model: nn.Module, config: PagedSchedulerConfig, attention: AttentionBackend, extra_blocks: int = 0,
+                   pool_class: type | None = None):
     """The pool the backend reads (its layout), sized from config.kv_cache_bytes, plus
-    `extra_blocks` the block manager never hands out (lesson 16's scratch block)."""
+    `extra_blocks` the block manager never hands out (lesson 16's scratch block). pool_class:
+    a subclass of the backend's pool (lesson 16's CPU fast path: the same pool on 2 MB pages)."""
+    pool_class = pool_class or attention.pool_class
     weight = model.model.embed_tokens.weight
-    pool = attention.pool_class.from_memory_budget(model.config, config.kv_cache_bytes, config.block_size,
-                                                   weight.dtype, weight.device)
-    if extra_blocks:
-        pool = attention.pool_class(model.config, pool.num_blocks + extra_blocks, config.block_size,
-                                    weight.dtype, weight.device)
-    return pool
+    if not extra_blocks:
+        return pool_class.from_memory_budget(model.config, config.kv_cache_bytes, config.block_size,
+                                             weight.dtype, weight.device)
+    num_blocks = config.kv_cache_bytes // pool_class.bytes_per_block(model.config, config.block_size, weight.dtype)
+    if num_blocks < 1:                                  # from_memory_budget's check, without building it twice
+        pool_class.from_memory_budget(model.config, config.kv_cache_bytes, config.block_size, weight.dtype,
+                                      weight.device)
+    return pool_class(model.config, int(num_blocks) + extra_blocks, config.block_size, weight.dtype, weight.device)
 
 
 def create_scheduler(config: PagedSchedulerConfig, num_blocks: int, scheduler_class: type = PrefixCachingScheduler,

@@ -412,6 +412,8 @@ inline DecodeBlockFns decode_block_fns(int64_t group, int64_t D) {  // {nullptr,
 }
 #endif
 
+#include "decode_bf16.h"  // one decode item with its accumulators in registers
+
 // One block's scores s[g][0..cnt) -> probabilities, with each head's running max, sum and
 // accumulator brought up to date (the online softmax of the prefill tiles, one row per head).
 // m, l: each head's running max and sum (advanced lesson 04 calls it on a key range).
@@ -439,6 +441,17 @@ void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, in
   const T* qh = q + (row * a.hkv + h) * group * D;
   float* acc = w.acc.data();  // [group][D]
   float* s = w.s.data();      // [group][bs]
+  T* o = out + (row * a.hkv + h) * group * D;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (const FusedDecodeFn fused = fused_decode_fn(group, D)) {
+      fused(qh, kp, vp, table, len, bs, a.hkv, h, a.scale, acc, w.l);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < D; ++d) store(&o[g * D + d], acc[g * D + d] / w.l[g]);
+      return;
+    }
+  }
+#endif
   std::fill(acc, acc + group * D, 0.f);
   for (int64_t g = 0; g < group; ++g) w.m[g] = -INFINITY, w.l[g] = 0.f;
 #if defined(__AVX512BF16__)
@@ -472,7 +485,6 @@ void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, in
     for (int64_t t = 0; t < cnt; ++t)
       for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * D, s[g * bs + t], vb + t * D, D);
   }
-  T* o = out + (row * a.hkv + h) * group * D;
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < D; ++d) store(&o[g * D + d], acc[g * D + d] / w.l[g]);
 }

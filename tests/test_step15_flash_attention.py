@@ -54,9 +54,10 @@ def test_equals_reference(kernel, dtype, tol, Hkv, group, bs, D):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_keys_past_the_length_are_never_read(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_past_the_length_are_never_read(kernel, dtype):
     bs = 4
-    case = random_paged_case([1, 6, 3], [6, 9, 11], 2, 2, bs, 64, spare_blocks=4)
+    case = random_paged_case([1, 6, 3], [6, 9, 11], 2, 2, bs, 64, dtype, spare_blocks=4)
     q, k_pool, v_pool, cu, lens, tables = case
     out = kernel(*case)
     k2, v2 = k_pool.clone(), v_pool.clone()
