@@ -27,6 +27,7 @@ from step16_cuda_graph.runner import GraphRunner
 from step16_cuda_graph.cpu import engine as engine_module
 from step16_cuda_graph.cpu.engine import KernelSampler, build_engine, cpu_fast_path
 from step16_cuda_graph.cpu.fused import FusedQKVAttention, FusedSwiGLU, count_fused, fuse_projections
+from step16_cuda_graph.cpu.huge_pages import HugePageKVPool
 from step16_cuda_graph.cpu.ops import OpPackedLinear, route_packed_linears
 from step16_cuda_graph.cpu.runner import CpuGraphRunner
 from tests.test_step16_cuda_graph import _config, _prompts, assert_unchanged, model_state
@@ -198,7 +199,7 @@ def test_equals_lesson14_under_preemption(tiny):
     config = _config(tiny, blocks=30)
     ref = [s.output_token_ids for s in BatchedEngine(tiny, config, pack_weights=False).generate(prompts, sp)]
     engine = build_engine(tiny, config)
-    assert type(engine.runner) is CpuGraphRunner
+    assert type(engine.runner) is CpuGraphRunner and type(engine.kv_pool) is HugePageKVPool
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
     assert engine.scheduler.num_preemptions > 0 and sum(engine.runner.replays.values()) > 0
 

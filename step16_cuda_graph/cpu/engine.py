@@ -8,7 +8,8 @@ What changes against lesson 16 (`step16_cuda_graph.engine.build_engine`), on a C
     our GEMV reads faster than oneDNN's call at that size (elementwise.cpp's gemv_bf16);
   - the runner is CpuGraphRunner (runner.py): decode buckets called without Dynamo, prompt
     steps through a dynamic compiled body, a packed LM head;
-  - the sampler's greedy pick is one C pass over the float32 logits (`ops.row_argmax`).
+  - the sampler's greedy pick is one C pass over the float32 logits (`ops.row_argmax`);
+  - the KV pool's memory on 2 MB pages where the OS grants them (huge_pages.py).
 Where the step cannot be compiled here (a GPU, no C++ compiler, another attention backend)
 this is lesson 16's engine.
 """
@@ -24,6 +25,7 @@ from step15_flash_attention.engine import Engine, create_kv_pool, create_schedul
 from step16_cuda_graph import engine as lesson16
 from step16_cuda_graph.runner import compile_works
 from step16_cuda_graph.cpu.fused import fuse_projections
+from step16_cuda_graph.cpu.huge_pages import HugePageKVPool
 from step16_cuda_graph.cpu.ops import route_packed_linears, row_argmax
 from step16_cuda_graph.cpu.runner import CpuGraphRunner
 
@@ -62,7 +64,8 @@ def build_engine(model: nn.Module, config: PagedSchedulerConfig | None = None, a
                                      engine_class=engine_class, **parts)
     model = cpu_fast_path(model, small_rows)
     config = fit_block_size(config, attention)
-    pool = create_kv_pool(model, config, attention, extra_blocks=1)
+    pool_class = HugePageKVPool if issubclass(HugePageKVPool, attention.pool_class) else None
+    pool = create_kv_pool(model, config, attention, extra_blocks=1, pool_class=pool_class)
     scheduler = create_scheduler(config, pool.num_blocks - 1, *scheduler_parts(parts))
     runner = CpuGraphRunner(model, pool, attention, max_bucket or config.max_num_seqs, pool.num_blocks - 1,
                             direct_calls, compile_mixed, small_rows, one_call)

@@ -1,0 +1,62 @@
+"""`bench.py decode`: lesson 15's kernel on one decode step's attention (the Qwen3-0.6B shape:
+16 query heads, 8 KV heads, head dim 128, bf16, 28 layers), its blocks scattered over a pool
+larger than the caches as in a server that has run a while, the pool on 4 KB pages (lesson 14's)
+and on 2 MB pages (huge_pages.py), in alternating rounds. Prints each one's K/V read rate
+against this machine's plain read rate (a float32 sum)."""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+from minivllm_support.workloads import read_bandwidth
+from step15_flash_attention import flash_cpu
+from step15_flash_attention.flash_cpu import flash_attention_cpu
+from step16_cuda_graph.cpu.huge_pages import huge_page_bytes, huge_page_zeros
+
+LAYERS, HQ, HKV, D = 28, 16, 8, 128
+
+
+def run_decode(batch: int = 48, context: int = 400, block_size: int = 16, rounds: int = 6) -> None:
+    if flash_cpu.load() is None:
+        print("lesson 15's kernel is unavailable here (no C++ compiler): nothing to measure")
+        return
+    per_seq = -(-context // block_size)
+    pool_blocks = 4 * batch * per_seq                  # a quarter of it in use
+    shape = (pool_blocks, HKV, block_size, D)
+    rand = lambda t: t.copy_(torch.randn(shape))      # noqa: E731
+    before = huge_page_bytes()
+    pools = {"4 KB pages": [(rand(torch.zeros(shape, dtype=torch.bfloat16)), rand(torch.zeros(shape, dtype=torch.bfloat16)))
+                            for _ in range(4)],        # 4 pools take turns as the 28 layers (2.5 GB in all)
+             "2 MB pages": [(rand(huge_page_zeros(shape, torch.bfloat16)), rand(huge_page_zeros(shape, torch.bfloat16)))
+                            for _ in range(4)]}
+    granted = huge_page_bytes() - before
+    where = random.Random(0).sample(range(pool_blocks), batch * per_seq)
+    tables = torch.tensor(where).view(batch, per_seq)
+    q, cu, lens = torch.randn(batch, HQ, D).bfloat16(), torch.arange(batch + 1), torch.full((batch,), context)
+    out = torch.empty_like(q)
+
+    def step(layers) -> float:
+        t0 = time.perf_counter()
+        for i in range(LAYERS):
+            k, v = layers[i % len(layers)]
+            flash_attention_cpu(q, k, v, cu, lens, tables, out=out, check=False)
+        return time.perf_counter() - t0
+
+    times = {name: [] for name in pools}
+    for name, layers in pools.items():
+        step(layers)                                   # warm-up
+    for _ in range(rounds):
+        for name, layers in pools.items():
+            times[name].append(step(layers))
+    nbytes = batch * context * LAYERS * 2 * HKV * D * 2           # K and V, every layer, bf16
+    rate = read_bandwidth()
+    print(f"decode attention, {batch} sequences x {context} tokens, block size {block_size}, blocks scattered "
+          f"over the pool, {LAYERS} layers; {rounds} alternating rounds; this machine reads {rate / 1e9:.1f} GB/s "
+          f"(a float32 sum); huge pages granted: {granted / 2**30:.2f} of {sum(t.numel() * 2 for kv in pools['2 MB pages'] for t in kv) / 2**30:.2f} GiB")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name}: {med * 1e3:6.1f} ms a step (median; {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}), "
+              f"K/V read at {nbytes / med / 1e9:5.1f} GB/s = {nbytes / med / rate:.2f}x the plain read rate")

@@ -1,0 +1,85 @@
+"""The KV pool on 2 MB pages: lesson 14's head-major pool, its memory asked for in huge pages.
+
+Why: a decode step reads every sequence's K and V, one 4 KB piece per (block, KV head) at
+block size 16 and head dim 128, from wherever the block manager put the block. On 4 KB pages
+every piece sits on a page of its own, so every piece costs the CPU a page-table walk before
+its first byte arrives (the TLB holds a few thousand pages; a pool of hundreds of MB has
+hundreds of thousands). On 2 MB pages one TLB entry covers 512 pieces.
+
+    4 KB pages: piece -> TLB miss -> page walk -> read      (one walk per 4 KB read)
+    2 MB pages: piece -> TLB hit -> read                    (a walk per 2 MB)
+
+Linux hands out 2 MB pages to a mapping that asks for them with madvise(MADV_HUGEPAGE) when
+transparent huge pages are in "madvise" or "always" mode (/sys/kernel/mm/transparent_hugepage/
+enabled); the request must come before the memory is first written, so the pool's tensors are
+allocated empty, advised, then zeroed. Where the kernel says no (another OS, THP "never",
+no 2 MB page free) the pool is the ordinary one: only speed differs, never a value.
+`python step15_flash_attention/bench.py decode` reads a pool both ways and prints the rates.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from functools import lru_cache
+
+import torch
+
+from step04_transformer.config import ModelConfig
+from step14_batched_forward.kv_pool import HeadMajorKVPool
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14          # linux/mman.h
+
+
+@lru_cache(maxsize=None)
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory was advised onto 2 MB pages before its first write
+    (on a 2 MB boundary, so whole huge pages cover it). Plain torch.zeros where that fails."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    madvise = _madvise()
+    if madvise is None or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)       # untouched: mmap'd, not yet backed
+    start = (-raw.data_ptr()) % HUGE_PAGE
+    if madvise(raw.data_ptr() + start, nbytes - nbytes % HUGE_PAGE, MADV_HUGEPAGE) != 0:
+        return torch.zeros(shape, dtype=dtype)
+    return raw[start:start + nbytes].view(dtype).view(shape).zero_()
+
+
+class HugePageKVPool(HeadMajorKVPool):
+    """Lesson 14's pool (same layout, same methods), its K and V tensors on 2 MB pages."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        if torch.device(device).type != "cpu":
+            super().__init__(cfg, num_blocks, block_size, dtype, device)
+            return
+        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        self.k = [huge_page_zeros(shape, dtype) for _ in range(cfg.num_layers)]
+        self.v = [huge_page_zeros(shape, dtype) for _ in range(cfg.num_layers)]
+        self.num_blocks, self.block_size, self.num_kv_heads = num_blocks, block_size, cfg.num_kv_heads
+
+
+def huge_page_bytes() -> int:
+    """Anonymous memory of this process on huge pages (Linux's AnonHugePages), in bytes; 0 elsewhere."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,49 @@
+"""Lesson 16, part 2: the KV pool on 2 MB pages (huge_pages.py). The same layout and values as
+lesson 14's pool whatever the OS grants; the pages themselves where Linux grants them (the fast
+path's engine is checked to build its pool this way in test_step16_cpu_fast_path.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from step04_transformer.loader import load_model
+from step14_batched_forward.kv_pool import HeadMajorKVPool
+from step16_cuda_graph.cpu.huge_pages import HUGE_PAGE, HugePageKVPool, huge_page_bytes, huge_page_zeros
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str:
+    try:
+        return THP.read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeros_of_any_size_are_zeros_of_that_shape(dtype):
+    for shape in [(3, 5), (9, 2, 16, 128), (600, 8, 16, 64)]:            # below and above one huge page
+        t = huge_page_zeros(shape, dtype)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason=f"transparent huge pages: {_thp_mode()}")
+def test_a_large_pool_lands_on_huge_pages():
+    before = huge_page_bytes()
+    t = huge_page_zeros((16 * HUGE_PAGE // 2,), torch.bfloat16)           # 16 huge pages' worth
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert huge_page_bytes() - before >= 8 * HUGE_PAGE                    # the kernel may keep a few back
+    del t
+
+
+def test_pool_layout_and_methods_are_lesson14s(tiny_qwen3_dir):
+    cfg = load_model(tiny_qwen3_dir, torch.float32).config
+    mine, theirs = HugePageKVPool(cfg, 40, 4, torch.float32), HeadMajorKVPool(cfg, 40, 4, torch.float32)
+    assert [t.shape for t in mine.k] == [t.shape for t in theirs.k] and mine.nbytes == theirs.nbytes
+    slots = torch.tensor([0, 5, 17, 159])
+    k = torch.randn(4, cfg.num_kv_heads, cfg.head_dim)
+    for pool in (mine, theirs):
+        pool.write(1, slots, k, -k)
+    assert all(torch.equal(a, b) for a, b in zip(mine.k + mine.v, theirs.k + theirs.v))
