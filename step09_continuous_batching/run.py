@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.watch import add_watch_argument, watch_engines
 from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import compare, format_ratio
@@ -50,7 +51,8 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--batch", type=int, default=8, help="static batch size = max_num_seqs")
-    args = p.parse_args()
+    args = add_watch_argument(p).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     dtype, folder, model, tok = start_lesson(args)
     prompts, params = workload(tok, args.requests)
     n_out = sum(sp.max_tokens for sp in params)

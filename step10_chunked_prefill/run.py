@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 
 from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.watch import add_watch_argument, watch_engines
 from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import compare
@@ -41,7 +42,8 @@ def main() -> None:
     p.add_argument("--long-tokens", type=int, default=1500, help="length of the prompt that arrives")
     p.add_argument("--chunk", type=int, default=128, help="max_num_batched_tokens with chunking")
     p.add_argument("--decode-tokens", type=int, default=48)
-    args = p.parse_args()
+    args = add_watch_argument(p).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     dtype, folder, model, tok = start_lesson(args)
     shorts = [chat_prompt_ids(tok, q) for q in SHORT]
     filler = tok.encode(" The quick brown fox jumps over the lazy dog near the quiet river bank." * 200,

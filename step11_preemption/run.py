@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.watch import add_watch_argument, watch_engines
 from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import compare, format_ratio
@@ -31,7 +32,8 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--max-kv-tokens", type=int, default=400)
     p.add_argument("--max-tokens", type=int, default=64)
-    args = p.parse_args()
+    args = add_watch_argument(p).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     dtype, folder, model, tok = start_lesson(args)
     prompts = [chat_prompt_ids(tok, q) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

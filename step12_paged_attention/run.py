@@ -5,6 +5,8 @@ import random
 import statistics
 
 from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.watch import add_watch_argument, watch_engines
+from step09_continuous_batching.engine import LLMEngine
 from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import compare, format_ratio
@@ -82,7 +84,8 @@ def main() -> None:
     p.add_argument("--kv-cache-mib", type=int, default=256, help="size of the KV pool (the budget)")
     p.add_argument("--short-max-model-len", type=int, default=2048,
                    help="a second, smaller contiguous reservation to compare with")
-    args = p.parse_args()
+    args = add_watch_argument(p).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     dtype, folder, model, tok = start_lesson(args)
     cfg = model.config
     prompts, params = workload(tok, args.requests)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import statistics
 
 from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.watch import add_watch_argument, watch_engines
+from step09_continuous_batching.engine import LLMEngine
 from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import compare, format_ratio
@@ -104,7 +106,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=6, help="engine steps between two arrivals")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=256)
-    args = p.parse_args()
+    args = add_watch_argument(p).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     dtype, folder, model, tok = start_lesson(args)
     prompts = [chat_prompt_ids(tok, q, system=SYSTEM) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 
 from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.watch import add_watch_argument, watch_engines
+from step09_continuous_batching.engine import LLMEngine
 from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import compare, format_ratio
@@ -36,7 +38,8 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    args = p.parse_args()
+    args = add_watch_argument(p).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     dtype, _, model, tok = start_lesson(args)
     rng = random.Random(0)
     prompts = [chat_prompt_ids(tok, rng.choice(["Write a short poem about {}.", "Describe {} in detail.",

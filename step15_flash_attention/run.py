@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.watch import add_watch_argument, watch_engines
+from step09_continuous_batching.engine import LLMEngine
 from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from minivllm_support.timing import Timing, compare, format_ratio
@@ -103,7 +105,8 @@ def attention_alone(cfg, dtype, length: int, repeats: int = 5) -> None:
 
 
 def main() -> None:
-    args = base_parser(__doc__).parse_args()
+    args = add_watch_argument(base_parser(__doc__)).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     dtype, folder, model, tok = start_lesson(args)
     auto = choose_backend("auto", "cpu")
     runnable = [n for n, (_, ok) in BACKENDS.items() if ok(torch.device("cpu"))]

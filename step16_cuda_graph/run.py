@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from minivllm_support.cli import base_parser, identity_line
+from minivllm_support.watch import add_watch_argument, watch_engines
+from step09_continuous_batching.engine import LLMEngine
 from step04_transformer.start import start_lesson
 from minivllm_support.models import chat_prompt_ids
 from step16_cuda_graph.decode_timing import step_turns
@@ -100,7 +102,8 @@ def step_latency(engines: dict, batches=(1, 8), context: int = 360, steps: int =
 
 
 def main() -> None:
-    args = base_parser(__doc__).parse_args()
+    args = add_watch_argument(base_parser(__doc__)).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     dtype, folder, model, tok = start_lesson(args)
     engine = build_graph_engine(model)
     # The eager engine with the weights the recorded step runs (unpacked on a CPU, see engine.py).

@@ -16,6 +16,8 @@ import time
 import torch
 
 from minivllm_support.cli import base_parser, identity_line, machine, setup
+from minivllm_support.watch import add_watch_argument, watch_engines
+from step09_continuous_batching.engine import LLMEngine
 from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
 from step04_transformer.config import ModelConfig
 from step06_sampler.params import SamplingParams
@@ -127,7 +129,8 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--tp", type=int, default=None,
                    help="tensor_parallel_size (default: the smallest split the model allows: 3 for SmolLM2, 2 for Qwen3)")
-    args = p.parse_args()
+    args = add_watch_argument(p).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     dtype = setup(args)
     folder = resolve_model(args.model)
     cfg = ModelConfig.from_pretrained(folder)

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from minivllm_support.cli import base_parser, machine, setup
+from minivllm_support.watch import add_watch_argument, watch_engines
+from step09_continuous_batching.engine import LLMEngine
 from minivllm_support.models import chat_prompt_ids, load_tokenizer, resolve_model
 from minivllm_support.timing import busy_warning
 from step04_transformer.loader import load_model
@@ -158,7 +160,8 @@ def main() -> None:
     p.add_argument("--rungs", nargs="+", default=None, help="only these rungs (hf 07 08 ... 16 16+ 17 vllm)")
     p.add_argument("--no-online", action="store_true", help="skip the online sweep")
     p.add_argument("--online-only", action="store_true", help="skip the ladders")
-    args = p.parse_args()
+    args = add_watch_argument(p).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     workloads = args.workloads or (["chat", "random"] if args.full else ["chat"])
     if args.online_only:
         workloads = []

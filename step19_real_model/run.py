@@ -9,6 +9,8 @@ logprobs, a streamed answer in Chinese, and what the API layer costs over the ba
 from __future__ import annotations
 
 from minivllm_support.cli import base_parser, machine, setup
+from minivllm_support.watch import add_watch_argument, watch_engines
+from step09_continuous_batching.engine import LLMEngine
 from minivllm_support.models import resolve_model
 from minivllm_support.timing import compare, format_ratio
 from step06_sampler.params import SamplingParams as EngineParams
@@ -31,7 +33,8 @@ QUESTIONS = [
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--max-tokens", type=int, default=64)
-    args = p.parse_args()
+    args = add_watch_argument(p).parse_args()
+    watch_engines(LLMEngine, args)          # --watch: a live page of every engine built below
     setup(args)
     folder = resolve_model(args.model)
     print(f"machine: {machine()}\nmodel: {folder} ({args.dtype})\n")

@@ -22,12 +22,13 @@ DEFAULT_PORT = 8001
 __all__ = ["Hub", "Watcher", "WatchServer", "add_watch_argument", "watch_engines"]
 
 
-def add_watch_argument(parser: argparse.ArgumentParser) -> None:
+def add_watch_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--watch", nargs="?", type=int, const=DEFAULT_PORT, default=None, metavar="PORT",
                         help=f"serve a live page of the engine (queues, KV blocks, prefix cache) at "
                              f"http://127.0.0.1:PORT/dashboard while this runs (default port {DEFAULT_PORT})")
     parser.add_argument("--watch-wait", type=float, default=30.0, metavar="S",
                         help="with --watch: wait up to S seconds for the page to open before starting")
+    return parser
 
 
 def watch_engines(engine_class: type, args: argparse.Namespace) -> Watcher | None:
