@@ -95,6 +95,8 @@ COMMANDS: list[Command] = [
     _run("step18_benchmark", what="the offline ladder and the online load (short)", full=("--full",)),
     _run("step19_real_model", *QUICK, what="the LLM API", full=()),
     _run("step20_http_serve", what="the OpenAI-compatible server under load"),
+    _bench("step20_http_serve", "watch_demo.py", (), (), "the live page /dashboard in headless Chromium: the "
+           "README's screenshot (step20_http_serve/dashboard.png)"),
     _run("advanced/adv01_quantization", *QUICK, what="int8 / q4 weights: quality and speed", full=()),
     _run("advanced/adv02_sampling", *QUICK, what="penalties, beam search, n > 1", full=()),
     _run("advanced/adv03_speculative", *QUICK, what="speculative decoding: acceptance and speed", full=()),
