@@ -71,6 +71,7 @@ class PDCluster:
         port = free_port() if mode == "disaggregated" and transport == "gloo" else 0
         self.prefill_lost: str | None = None
         self.records: dict[int, PDRecord] = {}
+        self.prompts: dict[int, list[int]] = {}         # kept for a retry
         roles = ([("prefill", i, num_prefill) for i in range(num_prefill)] + [("decode", i, num_decode)
                  for i in range(num_decode)] if mode == "disaggregated" else [("colocated", 0, 1)])
         try:
@@ -125,7 +126,7 @@ class PDCluster:
         """The engine of `role` with the fewest requests still in its hands (N:M routing)."""
         def load(name: str) -> int:
             if role == "prefill":
-                return sum(r.prefill_on == name and r.prefill_done is None and not r.done
+                return sum(r.prefill_on == name and r.prefill_finished < r.prefill_sent and not r.done
                            for r in self.records.values())
             return sum(r.decode_on == name and not r.done for r in self.records.values())
         return min(self.engines(role), key=load)
@@ -165,10 +166,28 @@ class PDCluster:
         rec.decode_on = self.least_loaded("decode" if self.mode == "disaggregated" else "colocated")
         if remote:
             rec.prefill_on = self.least_loaded("prefill")
-            self._send(rec.prefill_on, ("add", rec.rid, req.prompt_ids))
+            self.prompts[rec.rid] = req.prompt_ids
+            self._to_prefill(rec)
         elif self.mode == "disaggregated":
             rec.fallback = f"no prefill engine ({self.prefill_lost})"
         self._send(rec.decode_on, ("add", rec.rid, req.prompt_ids, params, remote))
+
+    def _to_prefill(self, rec: PDRecord) -> None:
+        rec.prefill_sent += 1
+        self._send(rec.prefill_on, ("add", rec.rid, self.prompts[rec.rid]))
+
+    def _retry(self, rid: int, reason: str, layer: int) -> None:
+        """The decode engine asks for a transfer again: the prefill engine runs the request once
+        more (a copy from its prefix cache if its blocks are still there); if it is gone, the
+        decode engine falls back."""
+        rec = self.records[rid]
+        rec.retry = reason
+        print(f"[minivllm] request {rid}: KV transfer failed ({reason}); asked again from layer {layer}",
+              file=sys.stderr)
+        if rec.prefill_on in self.names:
+            self._to_prefill(rec)
+        else:
+            self._send(rec.decode_on, ("lost", rid, self.prefill_lost or "the prefill engine is gone"))
 
     def _drain(self, i: int) -> None:
         role = self.names[i]
@@ -191,19 +210,28 @@ class PDCluster:
         print(f"[minivllm] {why}: its open transfers fall back to local prefill on the decode engines",
               file=sys.stderr)
         for rec in self.records.values():
-            if rec.prefill_on == name and rec.prefill_done is None and not rec.done and rec.fallback is None:
+            if rec.prefill_on == name and rec.prefill_finished < rec.prefill_sent and not rec.done \
+                    and rec.fallback is None:
                 self._send(rec.decode_on, ("lost", rec.rid, why))
 
     def _handle(self, role: str, msg: tuple) -> None:
         kind = msg[0]
         if kind == "error":
             raise EngineFailed(f"the {role} engine raised:\n{msg[1]}")
-        if kind == "started":
+        if kind == "started":                     # forwarded for the latest attempt only
             for rid in msg[1]:
-                self._send(self.records[rid].decode_on, ("started", rid))
+                rec = self.records[rid]
+                rec.prefill_started += 1
+                if rec.prefill_started == rec.prefill_sent:
+                    self._send(rec.decode_on, ("started", rid))
         elif kind == "prefilled":
-            self.records[msg[1]].prefill_done = msg[3]
-            self._send(self.records[msg[1]].decode_on, ("prefilled", msg[1]))
+            rec = self.records[msg[1]]
+            rec.prefill_finished += 1
+            if rec.prefill_finished == rec.prefill_sent:
+                rec.prefill_done = msg[3]
+                self._send(rec.decode_on, ("prefilled", msg[1]))
+        elif kind == "retry":
+            self._retry(*msg[1:])
         elif kind == "tokens":
             for rid, token, t, finished, facts in msg[1]:
                 rec = self.records[rid]

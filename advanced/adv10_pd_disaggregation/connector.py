@@ -141,6 +141,7 @@ class OpenLoad:
     last_progress: float = field(default_factory=time.perf_counter)
     armed: bool = False         # the producer has started: a silence from here on is a fault
     producer_done: bool = False # the producer has shipped everything it will ever ship
+    attempts: int = 1           # 2 after the transfer was asked for again (a retry)
     bytes: int = 0
     landed: list[float] = field(default_factory=list)   # when each layer was in the pool
 
@@ -148,8 +149,12 @@ class OpenLoad:
 class ConnectorWorker:
     """The worker side's interface; a transport fills in the layer methods."""
 
-    def __init__(self, num_layers: int, transfer_timeout_s: float):
+    def __init__(self, num_layers: int, transfer_timeout_s: float, drop_layers: set[tuple[int, int]] | None = None,
+                 drop_once: set[tuple[int, int]] | None = None):
+        """drop_layers: (request, layer) pairs the producer never ships; drop_once: pairs it skips
+        the first time only (a retry then gets them): injected faults for the tests and run.py."""
         self.num_layers, self.transfer_timeout_s = num_layers, transfer_timeout_s
+        self.drop_layers, self.drop_once = set(drop_layers or ()), set(drop_once or ())
         self.open: dict[int, OpenLoad] = {}
         # The launcher's news about a request can overtake its load: the decode process may
         # read "started" and "prefilled" in the same batch of messages as the request itself,
@@ -180,6 +185,23 @@ class ConnectorWorker:
 
     def finished(self, load: OpenLoad) -> None:
         """A load is over (complete or given up): release what the transport kept for it."""
+
+    def should_drop(self, req_id: int, layer: int) -> bool:
+        """The producer side: is this layer lost on the way (an injected fault)?"""
+        if (req_id, layer) in self.drop_once:
+            self.drop_once.discard((req_id, layer))
+            return True
+        return (req_id, layer) in self.drop_layers
+
+    def reopen(self, load: OpenLoad) -> None:
+        """Ask again: the load goes back to waiting for its producer, from the first layer it
+        lacks (the layers already copied stay in the pool). The producer's second attempt arms
+        it again with its own "started" and "prefilled"."""
+        self.told.pop(load.spec.req_id, None)
+        load.armed = load.producer_done = False
+        load.attempts += 1
+        load.last_progress = time.perf_counter()
+        self.open[load.spec.req_id] = load
 
     # ---- transport-independent: driving the open loads, once per engine step ------------------
     # True: every layer the producer ships is readable here before it reports the request done

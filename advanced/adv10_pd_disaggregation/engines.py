@@ -8,8 +8,10 @@
           -> sample its one token -> finish               but its last prompt token computed
                                                          -> its first step computes that token
 
-A request whose transfer fails (a layer lost, the prefill engine gone, a timeout) keeps its
-blocks and recomputes its prompt here: counted in `fallbacks`, with the reason, never silent.
+A transfer that fails (a layer lost or late, a damaged layer) is asked for again once, when
+the engine has someone to ask (`on_retry`): counted in `retries`. If it fails again, or the
+prefill engine is gone, the request keeps its blocks and recomputes its prompt here: counted in
+`fallbacks`, with the reason, never silent.
 """
 from __future__ import annotations
 
@@ -91,6 +93,14 @@ class Fallback:
     tokens_recomputed: int
 
 
+@dataclass
+class Retry:
+    """A transfer asked for again: why, and the first layer it still lacked."""
+    req_id: int
+    reason: str
+    from_layer: int
+
+
 class DecodeScheduler(PrefixCachingScheduler):
     """Lesson 13's scheduler, with a third place for a request besides waiting and running:
     `loading`, its blocks allocated while its KV streams in. It is not scheduled until then,
@@ -142,13 +152,18 @@ class DecodeScheduler(PrefixCachingScheduler):
 
 
 class DecodeEngine(Engine):
-    def __init__(self, *args, make_worker: MakeWorker, **kwargs):
+    def __init__(self, *args, make_worker: MakeWorker, on_retry: Callable[[Retry], None] | None = None,
+                 max_retries: int = 1, **kwargs):
+        """on_retry: asks the prefill side to send a failed transfer again (the launcher in a
+        process); without it a failed transfer falls back at once."""
         super().__init__(*args, **kwargs)
         if not isinstance(self.scheduler, DecodeScheduler):
             raise TypeError("DecodeEngine needs scheduler_class=DecodeScheduler")
         self.connector = self.scheduler.connector = ConnectorScheduler(self.kv_pool.block_size)
         self.worker = make_worker(self.kv_pool, self.model.config.num_layers)
         self.fallbacks: list[Fallback] = []
+        self.retries: list[Retry] = []
+        self.on_retry, self.max_retries = on_retry, max_retries
         self.loads: dict[int, OpenLoad] = {}             # req id -> its load, complete or not
         self.by_req: dict[int, Sequence] = {}
 
@@ -173,7 +188,17 @@ class DecodeEngine(Engine):
             self.scheduler.load_done(load)
             self.worker.finished(load)
         for req_id, (load, reason) in failed.items():
-            self.fail_transfer(req_id, reason, load)
+            if self.on_retry is not None and load.attempts <= self.max_retries:
+                self.retry_transfer(load, reason)
+            else:
+                self.fail_transfer(req_id, reason if load.attempts == 1 else f"{reason}, after a retry", load)
+
+    def retry_transfer(self, load: OpenLoad, reason: str) -> None:
+        """Before the fallback: keep the blocks and the layers already in, ask for the rest again."""
+        retry = Retry(load.spec.req_id, reason, load.next_layer)
+        self.worker.reopen(load)
+        self.retries.append(retry)
+        self.on_retry(retry)
 
     def fail_transfer(self, req_id: int, reason: str, load: OpenLoad | None = None) -> None:
         """The fallback: count it, say why, recompute the prompt locally."""

@@ -36,10 +36,10 @@ class GlooConnectorWorker(ConnectorWorker):
     lands_before_done = False         # a layer may still be on the wire when the prefill reports done
 
     def __init__(self, pool, num_layers: int, transfer_timeout_s: float = 10.0,
-                 drop_layers: set[tuple[int, int]] | None = None, timeline=None, role: str = "decode"):
-        super().__init__(num_layers, transfer_timeout_s)
+                 drop_layers: set[tuple[int, int]] | None = None, timeline=None, role: str = "decode",
+                 drop_once: set[tuple[int, int]] | None = None):
+        super().__init__(num_layers, transfer_timeout_s, drop_layers, drop_once)
         self.pool = pool
-        self.drop_layers = drop_layers or set()
         self.landed: dict[tuple[int, int], torch.Tensor] = {}     # (request, layer) -> [2, blocks, ...]
         self.closed: set[int] = set()            # requests whose load is over: late layers are dropped
         self.inbox: queue.Queue = queue.Queue()
@@ -111,7 +111,7 @@ class GlooConnectorWorker(ConnectorWorker):
 
     def save_kv_layer(self, layer: int, pool) -> None:
         for spec in self._saves:
-            if (spec.req_id, layer) in self.drop_layers:
+            if self.should_drop(spec.req_id, layer):
                 continue                              # injected: this layer is lost on the way
             t0 = time.perf_counter_ns()
             ids = torch.tensor(spec.block_ids)

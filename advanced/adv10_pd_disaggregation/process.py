@@ -8,6 +8,8 @@
                  ("prefilled", rid, token, t) after that step (every layer it will send is out;
                  t: when the last one was handed to the transport)
         decode / colocated: ("tokens", [(rid, token, t, finished, transfer facts)]) after each step,
+                 ("retry", rid, reason, first layer missing) when a transfer failed the first time
+                 (the launcher has the prefill engine run the request again),
                  ("fallback", rid, reason, tokens recomputed) when a transfer is given up
 
 Each process is an ordinary engine loop: take messages, run a step if there is work, else wait
@@ -34,14 +36,15 @@ from advanced.adv10_pd_disaggregation.engines import DecodeEngine, PrefillEngine
 from advanced.adv10_pd_disaggregation.gloo import DECODE_RANK, PREFILL_RANK, GlooConnectorWorker
 from advanced.adv10_pd_disaggregation.store import KVStore, StoreConnectorWorker
 
-FAULT_KINDS = ("drop", "exit-prefill", "exit-decode")
+FAULT_KINDS = ("drop", "drop-once", "exit-prefill", "exit-decode")
 IDLE_WAIT_S = 0.05          # an idle engine checks its pipe this often
 STOP_WAIT_S = 3.0           # on close, how long the decode engine waits for the prefill's STOP
 LOAD_WAIT_S = 0.002         # a decode engine with only loads in flight looks at the store this often
 
 
 def parse_fault(fault: str) -> dict[str, int]:
-    """Injected faults, comma-separated: "drop:R" (request R's last layer is never written),
+    """Injected faults, comma-separated: "drop:R" (request R's last layer is never sent: the
+    retry fails too), "drop-once:R" (it is lost the first time only: the retry brings it),
     "exit-prefill:R" (the prefill process dies after shipping request R's layer 0),
     "exit-decode:R" (the decode process dies when request R gets its first token)."""
     faults = {}
@@ -86,15 +89,18 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
 
         def make_worker(pool, num_layers: int) -> ConnectorWorker:
             drop = {(fault["drop"], num_layers - 1)} if "drop" in fault else set()
+            once = {(fault["drop-once"], num_layers - 1)} if "drop-once" in fault else set()
             if store is None:
-                return GlooConnectorWorker(pool, num_layers, spec.transfer_timeout_s, drop, tl, spec.role)
-            return StoreConnectorWorker(store, pool, num_layers, spec.transfer_timeout_s, drop, tl)
+                return GlooConnectorWorker(pool, num_layers, spec.transfer_timeout_s, drop, tl, spec.role, once)
+            return StoreConnectorWorker(store, pool, num_layers, spec.transfer_timeout_s, drop, tl, once)
 
         send = conn.send
         on_start = (lambda rids: send(("started", rids, time.perf_counter()))) if spec.role == "prefill" else None
         extra = {"make_worker": make_worker} if spec.role != "colocated" else {}
         if on_start:
             extra["on_save_start"] = on_start
+        if spec.role == "decode":                   # the launcher has the prefill engine send it again
+            extra["on_retry"] = lambda r: send(("retry", r.req_id, r.reason, r.from_layer))
         engine = build_pd_engine(model, spec.role, config=spec.config, **extra)
         if "exit-prefill" in fault and isinstance(engine, PrefillEngine):
             arm_exit_after_layer0(engine, fault["exit-prefill"])
@@ -132,6 +138,8 @@ def common(msg, engine, conn: Connection, tl: Timeline) -> bool:
         bm = engine.scheduler.block_manager
         conn.send(("stats", {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
                              "fallbacks": len(getattr(engine, "fallbacks", ())),
+                             "retries": len(getattr(engine, "retries", ())),
+                             "resends": getattr(engine, "resends", 0), "prompt_tokens": engine.prompt_tokens,
                              "bytes_saved": getattr(getattr(engine, "worker", None), "bytes_saved", 0),
                              "bytes_loaded": getattr(getattr(engine, "worker", None), "bytes_loaded", 0),
                              "unfinished": engine.has_unfinished()}))
@@ -145,14 +153,18 @@ def common(msg, engine, conn: Connection, tl: Timeline) -> bool:
 
 def prefill_loop(engine: PrefillEngine, conn: Connection, tl: Timeline, fault: dict[str, int]) -> None:
     rid_of: dict[int, int] = {}                 # seq id -> request id
+    seen: set[int] = set()
+    engine.resends = 0
     while True:
         for msg in messages(conn, 0 if engine.has_unfinished() else IDLE_WAIT_S):
             if msg is None:
                 if isinstance(engine.worker, GlooConnectorWorker):
                     engine.worker.stop_receiver()       # the decode side's thread ends cleanly
                 return
-            if msg[0] == "add":
-                _, rid, prompt_ids = msg[:3]
+            if msg[0] == "add":                  # the same request again: a retry (its blocks may
+                _, rid, prompt_ids = msg[:3]         # still be in the prefix cache: then it is a copy)
+                engine.resends += rid in seen
+                seen.add(rid)
                 rid_of[engine.add_prefill(rid, prompt_ids, prompt_key(prompt_ids, rid)).seq_id] = rid
             elif not common(msg, engine, conn, tl):
                 raise ValueError(f"prefill engine: unknown message {msg[0]!r}")

@@ -22,6 +22,10 @@ class PDRecord:
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     fallback: str | None = None               # why the KV was recomputed on the decode side
+    retry: str | None = None                  # why the KV was asked for a second time
+    prefill_sent: int = 0                     # times sent to a prefill engine (2 after a retry)
+    prefill_started: int = 0                  # "started" and "prefilled" heard back, per attempt:
+    prefill_finished: int = 0                 # only the latest attempt's news goes to decode
     done: bool = False
     prefill_on: str | None = None             # the engines it was sent to
     decode_on: str = ""

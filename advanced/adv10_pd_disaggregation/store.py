@@ -74,14 +74,14 @@ class KVStore:
 
 
 class StoreConnectorWorker(ConnectorWorker):
-    """The worker side over a KVStore. drop_layers: (request, layer) pairs never written, to
-    inject a lost transfer (the tests and run.py's fault mode use it)."""
+    """The worker side over a KVStore. drop_layers / drop_once: (request, layer) pairs never
+    written / skipped once, to inject a lost transfer (the tests and run.py's fault mode use them)."""
 
     def __init__(self, store: KVStore, pool, num_layers: int, transfer_timeout_s: float = 10.0,
-                 drop_layers: set[tuple[int, int]] | None = None, timeline=None):
-        super().__init__(num_layers, transfer_timeout_s)
+                 drop_layers: set[tuple[int, int]] | None = None, timeline=None,
+                 drop_once: set[tuple[int, int]] | None = None):
+        super().__init__(num_layers, transfer_timeout_s, drop_layers, drop_once)
         self.store, self.pool = store, pool
-        self.drop_layers = drop_layers or set()
         self._saves: list[SaveSpec] = []
         self.bytes_saved = self.bytes_loaded = self.save_errors = 0
         self.saved_at: dict[int, float] = {}      # request -> when its latest layer was handed over
@@ -116,6 +116,12 @@ class StoreConnectorWorker(ConnectorWorker):
         """The load is over (complete or given up): its files are no longer needed."""
         self.store.remove(load.spec.key)
 
+    def reopen(self, load: OpenLoad) -> None:
+        """Asked again: the files of the first attempt go (a damaged one would fail the retry
+        too); the producer writes every layer anew, and the layers from next_layer on are read."""
+        self.store.remove(load.spec.key)
+        super().reopen(load)
+
     # ---- prefill side --------------------------------------------------------------------------
     def bind(self, meta: ConnectorMetadata) -> None:
         """The step's saves; each layer's attention then calls save_kv_layer."""
@@ -123,7 +129,7 @@ class StoreConnectorWorker(ConnectorWorker):
 
     def save_kv_layer(self, layer: int, pool) -> None:
         for spec in self._saves:
-            if (spec.req_id, layer) in self.drop_layers:
+            if self.should_drop(spec.req_id, layer):
                 continue                              # injected: this layer is lost on the way
             t0 = time.perf_counter_ns()
             ids = torch.tensor(spec.block_ids, device=pool.k[layer].device)
