@@ -29,7 +29,8 @@ from advanced.adv11_afd.costmodel import (LayerCost, StepShape, balanced_ratio, 
                                           fit_nonnegative, layer_times, measured_loops, predict_loops, step_shapes)
 from advanced.adv11_afd.engine import AFDEngine
 from advanced.adv11_afd.ffn_worker import FAULT_ENV
-from advanced.adv11_afd.microbatch import StepPlan, ffn_rank, split_batch
+from advanced.adv11_afd.microbatch import StepPlan, attention_rank, ffn_rank, owner, split_batch
+from advanced.adv11_afd.runner import split_by_owner
 from advanced.adv11_afd.split import attention_half, ffn_half, is_ffn_tensor, load_attention_side, load_ffn_side
 from tests.processes import free_port, gone, kill_tree, start_node
 
@@ -100,10 +101,16 @@ def test_split_batch_edge_cases_and_the_plan():
     b.add(seq, 4)
     assert split_batch(b, 1)[0].kv_tokens == 10                             # context after this step
     assert [ffn_rank(i, 2) for i in range(4)] == [1, 2, 1, 2] and ffn_rank(1, 1) == 1
-    plan = StepPlan(7, 30, [5, 4])
+    plan = StepPlan(7, 30, [[5, 4]])
     assert StepPlan.from_bytes(plan.to_bytes()) == plan
     with pytest.raises(ValueError, match="does not describe"):
         StepPlan.from_bytes(plan.to_bytes()[:-8])
+    two = StepPlan(8, 30, [[3], [2, 6]])                                    # 2:1: rank 0 one micro-batch, peer two
+    assert StepPlan.from_bytes(two.to_bytes()) == two and two.num_micro_batches == 2
+    assert two.senders(0, 1) == [(0, 3), (2, 2)] and two.senders(1, 1) == [(2, 6)]
+    idle = StepPlan(9, 30, [[], [1]])                                       # rank 0 has nothing this step
+    assert StepPlan.from_bytes(idle.to_bytes()) == idle and idle.senders(0, 1) == [(2, 1)]
+    assert [attention_rank(a, 1) for a in range(3)] == [0, 2, 3] and [owner(k, 2) for k in range(4)] == [0, 1, 0, 1]
 
 
 # ---- the cost model on synthetic numbers --------------------------------------------------------
@@ -205,6 +212,10 @@ def test_bad_arguments_are_refused_before_any_process(tiny4, no_leftovers):
         AFDEngine(tiny4, num_micro_batches=0)
     with pytest.raises(TypeError, match="PagedSchedulerConfig"):
         AFDEngine(tiny4, object())
+    with pytest.raises(ValueError, match="one FFN rank"):
+        AFDEngine(tiny4, num_attention=2, num_ffn=2)
+    with pytest.raises(ValueError, match="one machine only"):
+        AFDEngine(tiny4, num_attention=2, launch=NodeLaunch(nnodes=2, node_rank=0, master_port=free_port()))
 
 
 # ---- slow: the embedded model, two FFN processes, the other faults -----------------------------

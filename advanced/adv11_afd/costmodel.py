@@ -21,7 +21,7 @@ It is a model: it knows nothing of processes sharing cores, and says so by how f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -100,29 +100,39 @@ def fit_hop(timelines: list[Timeline]) -> float:
 
 @dataclass
 class StepShape:
-    """One step as the model needs it: the layers, and (tokens, KV tokens) of each micro-batch."""
+    """One step as the model needs it: the layers, and (tokens, KV tokens) of each micro-batch of
+    rank 0 and (2:1) of each other attention rank (`peers`); an idle rank has none."""
     step: int
     layers: int
     micro_batches: list[tuple[int, int]]
+    peers: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
-def step_shapes(tl: Timeline) -> list[StepShape]:
-    by_step: dict[int, dict[int, tuple[int, int]]] = {}
+def step_shapes(tl: Timeline, peers: list[Timeline] = ()) -> list[StepShape]:
+    """Every step in which some attention rank (rank 0's timeline `tl`, then `peers`) computed."""
+    by_step: dict[int, list[dict[int, tuple[int, int]]]] = {}
     layers: dict[int, int] = {}
-    for s in attention_spans(tl):
-        a = s.args
-        by_step.setdefault(a["step"], {})[a["micro_batch"]] = (a["tokens"], a["kv_tokens"])
-        layers[a["step"]] = max(layers.get(a["step"], 0), a["layer"] + 1)
-    return [StepShape(k, layers[k], [mbs[i] for i in sorted(mbs)]) for k, mbs in sorted(by_step.items())]
+    for a, timeline in enumerate([tl, *peers]):
+        for s in attention_spans(timeline):
+            x = s.args
+            by_step.setdefault(x["step"], [{} for _ in range(1 + len(peers))])[a][x["micro_batch"]] = \
+                (x["tokens"], x["kv_tokens"])
+            layers[x["step"]] = max(layers.get(x["step"], 0), x["layer"] + 1)
+    return [StepShape(k, layers[k], *[[mbs[i] for i in sorted(mbs)] for mbs in ranks[:1]],
+                      [[mbs[i] for i in sorted(mbs)] for mbs in ranks[1:]]) for k, ranks in sorted(by_step.items())]
 
 
 def layer_times(shape: StepShape, attn: LayerCost, ffn: LayerCost, hop: float, n_ffn: int) -> tuple[float, float, float]:
-    """(cycle, rank 0's busy time, the busiest FFN rank's busy time) of one layer of this step."""
-    a = [attn(t, k) for t, k in shape.micro_batches]
-    f = [ffn(t) for t, _ in shape.micro_batches]
+    """(cycle, the busiest attention rank's busy time, the busiest FFN rank's busy time) of one
+    layer of this step. With several attention ranks, micro-batch i of all of them is one FFN call."""
+    ranks = [shape.micro_batches, *shape.peers]
+    a = [[attn(t, k) for t, k in mbs] for mbs in ranks]
+    slots = max(len(mbs) for mbs in ranks)
+    f = [ffn(sum(mbs[i][0] for mbs in ranks if i < len(mbs))) for i in range(slots)]
     per_rank = [sum(fi for i, fi in enumerate(f) if ffn_rank(i, n_ffn) == r) for r in range(1, n_ffn + 1)]
-    chain = max(ai + fi + hop for ai, fi in zip(a, f))
-    return max(sum(a), max(per_rank), chain), sum(a), max(per_rank)
+    chain = max(max(ai[i] for ai in a if i < len(ai)) + f[i] + hop for i in range(slots))
+    busiest = max(sum(ai) for ai in a)
+    return max(busiest, max(per_rank), chain), busiest, max(per_rank)
 
 
 @dataclass
@@ -141,17 +151,23 @@ def predict_loops(shapes: list[StepShape], attn: LayerCost, ffn: LayerCost, hop:
 
 
 def measured_loops(timelines: list[Timeline]) -> LoopPrediction:
-    """The same three numbers from a run's timeline: each step's layer loop runs on rank 0 from its
-    first attention half to its last wait for the FFN; busy time is counted inside those windows."""
+    """The same three numbers from a run's timeline: each step's layer loop runs from the first
+    attention half to the last wait for the FFN on any attention rank (rank 0 and, at 2:1, the
+    peer); busy time (of the busiest rank of each side) is counted inside those windows."""
+    attention = [timelines[0]] + [tl for tl in timelines[1:] if attention_spans(tl)]
     windows: dict[int, list[int]] = {}
-    for s in timelines[0].aligned():
-        if "layer" in s.args and (s.cat == "recv" or "kv_tokens" in s.args):
-            w = windows.setdefault(s.args["step"], [s.start_ns, s.end_ns])
-            w[0], w[1] = min(w[0], s.start_ns), max(w[1], s.end_ns)
+    for tl in attention:
+        for s in tl.aligned():
+            if "layer" in s.args and (s.cat == "recv" or "kv_tokens" in s.args):
+                w = windows.setdefault(s.args["step"], [s.start_ns, s.end_ns])
+                w[0], w[1] = min(w[0], s.start_ns), max(w[1], s.end_ns)
     total = sum(b - a for a, b in windows.values())
-    attn = sum(busy_ns(Timeline(0, spans=attention_spans(timelines[0]), offset_ns=timelines[0].offset_ns),
-                       ("compute",), tuple(w)) for w in windows.values())
-    ffn = max((sum(busy_ns(tl, ("compute",), tuple(w)) for w in windows.values()) for tl in timelines[1:]), default=0)
+
+    def busy(tl: Timeline, spans: list[Span]) -> int:
+        only = Timeline(tl.rank, spans=spans, offset_ns=tl.offset_ns)
+        return sum(busy_ns(only, ("compute",), tuple(w)) for w in windows.values())
+    attn = max(busy(tl, attention_spans(tl)) for tl in attention)
+    ffn = max((busy(tl, ffn_spans(tl)) for tl in timelines[1:] if all(tl is not a for a in attention)), default=0)
     return LoopPrediction(total / 1e9, attn / max(total, 1), ffn / max(total, 1))
 
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from minivllm_support.models import check_model_dir
 from minivllm_support.timeline import Timeline, measure_offset
-from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step12_paged_attention.block_manager import BlockManager
+from step12_paged_attention.scheduler import PagedScheduler, PagedSchedulerConfig
 from step15_flash_attention.backends import choose_backend
 from step15_flash_attention.engine import Engine, create_kv_pool, create_scheduler, fit_block_size
 from step16_cuda_graph.cpu.engine import KernelSampler, cpu_fast_path
@@ -38,6 +39,7 @@ from step17_tensor_parallel.worker import model_bytes
 from step17_tensor_parallel.workers import WorkerFailed, WorkerSet
 from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv11_afd.ffn_worker import STARTUP_TIMEOUT_S, FFNSpec, ffn_worker_main, run_flags
+from advanced.adv11_afd.peer import PeerSpec, peer_main
 from advanced.adv11_afd.runner import AFDRunner
 from advanced.adv11_afd.split import load_attention_side
 
@@ -46,16 +48,21 @@ class AFDEngine(Engine):
     def __init__(self, model: str | Path, scheduler: PagedSchedulerConfig | None = None, *, num_ffn: int = 1,
                  num_micro_batches: int = 2, dtype: torch.dtype = torch.bfloat16, threads_per_rank: int | None = None,
                  timeout_s: float = 60.0, attention_backend: str = "auto", fast_path: bool = True,
-                 launch: NodeLaunch | None = None):
+                 launch: NodeLaunch | None = None, num_attention: int = 1):
         """model: a checkpoint folder (each side reads only its tensors). num_ffn: FFN processes;
         micro-batch i goes to FFN rank 1 + i % num_ffn. num_micro_batches: how many pieces each
         step's sequences are cut into (fewer when a step has fewer sequences). timeout_s: how long
-        a receive waits for a silent FFN rank. launch: lesson 17's NodeLaunch (default: this machine)."""
+        a receive waits for a silent FFN rank. launch: lesson 17's NodeLaunch (default: this machine).
+        num_attention: attention workers; 2 (2:1) adds a peer process (peer.py) that holds the KV of
+        every other sequence, with one FFN rank gathering both."""
         folder = check_model_dir(Path(model))
         if num_ffn < 1:
             raise ValueError(f"num_ffn must be >= 1, got {num_ffn}")
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+        if num_attention < 1 or (num_attention > 1 and num_ffn != 1):
+            raise ValueError(f"num_attention must be 1, or 2 and more with one FFN rank (N:1); "
+                             f"got {num_attention} attention and {num_ffn} FFN")
         config = scheduler or PagedSchedulerConfig()
         if not isinstance(config, PagedSchedulerConfig):
             raise TypeError("AFDEngine needs a PagedSchedulerConfig (block_size, kv_cache_bytes)")
@@ -64,35 +71,49 @@ class AFDEngine(Engine):
         self.launch = launch = launch or NodeLaunch.from_env() or NodeLaunch()
         if launch.torchrun or launch.node_rank != 0:
             raise ValueError("AFDEngine runs on node 0 and spawns or admits its FFN ranks itself (torchrun: not built)")
-        self.world, self.n_ffn, self.timeout_s, self.closed = 1 + num_ffn, num_ffn, timeout_s, False
+        if num_attention > 1 and launch.nnodes > 1:
+            raise ValueError(f"{num_attention}:{num_ffn} runs on one machine only (other nodes: not built for "
+                             f"more than one attention rank)")
+        self.world, self.n_ffn, self.timeout_s, self.closed = num_attention + num_ffn, num_ffn, timeout_s, False
+        self.n_attention = num_attention
         self.timeline = Timeline(0, "attention side (rank 0)")
         self._threads_before = torch.get_num_threads()
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // len(launch.local_ranks(self.world)))
         torch.set_num_threads(threads)
-        self.worker_set = ws = WorkerSet(launch, self.world, "afd", "FFN")
+        self.worker_set = ws = WorkerSet(launch, self.world, "afd", "FFN" if num_attention == 1 else "AFD")
         self.workers, self.conns = ws.procs, ws.conns
+        attention = choose_backend(attention_backend, "cpu")
+        self.config = config = fit_block_size(config, attention)
         for rank in ws.local_ranks():
-            ws.spawn(rank, ffn_worker_main, FFNSpec(str(folder), rank, num_ffn, ws.port, dtype, threads, timeout_s,
-                                                    fast_path, launch.master_addr, launch.nnodes,
-                                                    launch.rendezvous_timeout_s))
+            if rank <= num_ffn:
+                ws.spawn(rank, ffn_worker_main, FFNSpec(str(folder), rank, num_ffn, ws.port, dtype, threads, timeout_s,
+                                                        fast_path, launch.master_addr, launch.nnodes,
+                                                        launch.rendezvous_timeout_s, num_attention))
+            else:
+                ws.spawn(rank, peer_main, PeerSpec(str(folder), rank, num_attention, num_ffn, ws.port, dtype, threads,
+                                                   timeout_s, config, attention_backend, fast_path,
+                                                   launch.master_addr, launch.rendezvous_timeout_s))
         # Runs at garbage collection or at interpreter exit, unless close() ran first.
         self._finalizer = weakref.finalize(self, _release, self.workers, self.conns, None, self._threads_before)
         try:
-            ws.accept(run_flags(str(folder), dtype, num_ffn, launch.nnodes))
+            ws.accept(run_flags(str(folder), dtype, num_ffn, launch.nnodes, num_attention))
             parallel.init_group(ws.store, 0, self.world, max(timeout_s, STARTUP_TIMEOUT_S))
             model0 = load_attention_side(folder, dtype)
             self.rank_memory = [{"weight_bytes": model_bytes(model0)}]
             model0 = cpu_fast_path(model0) if fast_path else model0
-            attention = choose_backend(attention_backend, "cpu")
-            self.config = config = fit_block_size(config, attention)
             pool = create_kv_pool(model0, config, attention)
             self.rank_memory[0]["kv_bytes"] = pool.nbytes
             self.rank_memory += ws.wait_ready()
             self.offsets = [0] + [measure_offset(conn) for conn in self.conns]
         except BaseException as e:
             raise self._fail(e) from e
-        runner = AFDRunner(model0, pool, attention, self.conns, num_ffn, timeout_s, self.timeline, num_micro_batches)
-        super().__init__(model0, create_scheduler(config, pool.num_blocks), pool, attention, runner, KernelSampler())
+        runner = AFDRunner(model0, pool, attention, self.conns, num_ffn, timeout_s, self.timeline, num_micro_batches,
+                           num_attention)
+        # N:1: one block manager names blocks in every attention rank's pool, so a prefix cached by
+        # one rank's sequence cannot serve another rank's: lesson 12's scheduler, without the cache.
+        parts = () if num_attention == 1 else (PagedScheduler, BlockManager)
+        super().__init__(model0, create_scheduler(config, pool.num_blocks, *parts), pool, attention, runner,
+                         KernelSampler())
 
     @property
     def traffic(self):
@@ -130,7 +151,7 @@ class AFDEngine(Engine):
             except (EOFError, OSError) as e:
                 kind, info = "lost", str(e)
             if kind != "timeline":
-                raise self._fail(WorkerFailed(f"FFN rank {rank} failed:\n{info}"))
+                raise self._fail(WorkerFailed(f"rank {rank} failed:\n{info}"))
             out.append(Timeline.from_dict(info))
             out[-1].offset_ns = self.offsets[rank]
         if clear:
@@ -147,7 +168,7 @@ class AFDEngine(Engine):
         if isinstance(error, KeyboardInterrupt) or not blamed:
             return error
         return WorkerFailed(f"AFD step failed on rank 0 (attention side) with: {error}\n"
-                            f"FFN report:\n{report or '(none)'}")
+                            f"workers' report:\n{report or '(none)'}")
 
     def close(self, wait_s: float = 5.0) -> None:
         """Stop the FFN ranks, leave the process group, restore rank 0's thread count. Idempotent."""

@@ -4,8 +4,10 @@
         control  <- plan (step, layers, tokens per micro-batch)    "wait" span: idle between steps
         for layer l, for each micro-batch i this rank serves (in rank 0's order):
             gloo <- h [T_i, hidden] from rank 0                    "recv" span: attention is late
-            compute  h + mlp(post_attention_layernorm(h))          "compute" span
+                    (2:1: and [T'_i, hidden] from the other attention rank, if it has an i)
+            compute  h + mlp(post_attention_layernorm(h))          "compute" span, on all the rows at once
             gloo -> out [T_i, hidden] to rank 0                    "send" span: just starts it
+                    (2:1: each attention rank gets its own rows back)
 
 It joins exactly as lesson 17's worker does (`join_rank0`: the store, rank 0's control socket
 with its flags, the process group), ends as every worker of the series ends (`worker_exit`:
@@ -54,22 +56,23 @@ class FFNSpec:
     master_addr: str = "127.0.0.1"
     nnodes: int = 1
     rendezvous_timeout_s: float = 60.0
+    n_attention: int = 1
 
     @property
     def world(self) -> int:
-        return 1 + self.n_ffn
+        return self.n_attention + self.n_ffn
 
     def flags(self) -> control.RunFlags:
-        return run_flags(self.folder, self.dtype, self.n_ffn, self.nnodes)
+        return run_flags(self.folder, self.dtype, self.n_ffn, self.nnodes, self.n_attention)
 
     def who(self) -> str:
         return f"FFN rank {self.rank} on {socket.gethostname()} pid {os.getpid()}"
 
 
-def run_flags(folder: str, dtype: torch.dtype, n_ffn: int, nnodes: int) -> control.RunFlags:
+def run_flags(folder: str, dtype: torch.dtype, n_ffn: int, nnodes: int, n_attention: int = 1) -> control.RunFlags:
     """Lesson 17's flags plus the split, so a node started for another ratio is refused by name."""
-    return control.RunFlags(control.model_fingerprint(folder), str(dtype), 1 + n_ffn, nnodes,
-                            extra=f"afd attention=1 ffn={n_ffn}")
+    return control.RunFlags(control.model_fingerprint(folder), str(dtype), n_attention + n_ffn, nnodes,
+                            extra=f"afd attention={n_attention} ffn={n_ffn}")
 
 
 def prepare_ffn(spec: FFNSpec) -> tuple[FFNSide, int]:
@@ -123,18 +126,24 @@ def serve(spec: FFNSpec, conn: Connection, model: FFNSide) -> None:
             if fault[0] == "exit":
                 os._exit(3)
             raise RuntimeError(f"injected fault ({FAULT_ENV}={fault[0]}@{fault[1]})")
-        mine = [i for i in range(len(plan.tokens)) if ffn_rank(i, spec.n_ffn) == spec.rank]
+        mine = [i for i in range(plan.num_micro_batches) if ffn_rank(i, spec.n_ffn) == spec.rank]
         for layer in range(plan.num_layers):
             for i in mine:
-                args = dict(step=plan.step, layer=layer, micro_batch=i, tokens=plan.tokens[i])
-                h = torch.empty(plan.tokens[i], hidden, dtype=spec.dtype)
-                with tl.span("recv h", "recv", bytes=h.numel() * h.element_size(), **args):
-                    p2p.wait(p2p.irecv(h, 0), f"hidden of step {plan.step} layer {layer} from rank 0", spec.timeout_s)
+                senders = plan.senders(i, spec.n_ffn)       # 2:1: micro-batch i of both attention ranks
+                tokens = sum(n for _, n in senders)
+                args = dict(step=plan.step, layer=layer, micro_batch=i, tokens=tokens)
+                hs = [torch.empty(n, hidden, dtype=spec.dtype) for _, n in senders]
+                with tl.span("recv h", "recv", bytes=tokens * hidden * hs[0].element_size(), **args):
+                    works = [p2p.irecv(h, src) for h, (src, _) in zip(hs, senders)]
+                    for work, (src, _) in zip(works, senders):
+                        p2p.wait(work, f"hidden of step {plan.step} layer {layer} from rank {src}", spec.timeout_s)
                 with tl.span(f"FFN L{layer} mb{i}", "compute", **args):
-                    out = model(layer, h).contiguous()
+                    out = model(layer, torch.cat(hs) if len(hs) > 1 else hs[0]).contiguous()
                 with tl.span("send out", "send", **args):
                     while sends and sends[0][0].is_completed():
                         sends.popleft()
-                    sends.append((p2p.isend(out, 0), out))
+                    for piece, (dst, _) in zip(out.split([n for _, n in senders]), senders):
+                        piece = piece.contiguous()
+                        sends.append((p2p.isend(piece, dst), piece))
         while sends:                                    # rank 0 has them all before its next step
             p2p.wait(sends.popleft()[0], "a send to rank 0", spec.timeout_s)

@@ -10,8 +10,12 @@ micro-batches, the MLP works row by row, and the step's output is the micro-batc
 put back in order. The cut balances tokens (the FFN's work) as far as whole sequences allow.
 
 The plan (one small message per step over each FFN worker's control socket): the step number,
-the layers to run and each micro-batch's token count. Micro-batch i goes to FFN rank
-1 + i % n_ffn (`ffn_rank`), so with 2 FFN workers and m = 2 each one serves one micro-batch.
+the layers to run and, for each attention rank, each micro-batch's token count. Micro-batch i
+goes to FFN rank 1 + i % n_ffn (`ffn_rank`), so with 2 FFN workers and m = 2 each one serves one
+micro-batch. With two attention ranks (2:1) a sequence lives on attention rank seq_id % 2
+(`owner`), and the FFN rank gathers micro-batch i of both into one matmul.
+
+    ranks:  0 = attention (scheduler, sampler) | 1 .. n_ffn = FFN | n_ffn + 1 .. = more attention
 """
 from __future__ import annotations
 
@@ -68,19 +72,46 @@ def ffn_rank(micro_batch: int, n_ffn: int) -> int:
     return 1 + micro_batch % n_ffn
 
 
+def attention_rank(a: int, n_ffn: int) -> int:
+    """The process rank of attention worker a (a = 0 is rank 0; the others come after the FFN ranks)."""
+    return 0 if a == 0 else n_ffn + a
+
+
+def owner(seq_id: int, n_attention: int) -> int:
+    """The attention worker that holds a sequence's KV and computes its attention, for its whole
+    life (a fixed rule, so a preempted sequence comes back to the pool that holds nothing of it)."""
+    return seq_id % n_attention
+
+
 @dataclass
 class StepPlan:
     step: int
     num_layers: int
-    tokens: list[int]            # per micro-batch
+    tokens: list[list[int]]      # per attention worker, per micro-batch (an idle worker: [])
 
     def to_bytes(self) -> bytes:
-        return torch.tensor([self.step, self.num_layers, len(self.tokens), *self.tokens]).numpy().tobytes()
+        flat = [n for mine in self.tokens for n in (len(mine), *mine)]
+        return torch.tensor([self.step, self.num_layers, len(self.tokens), *flat]).numpy().tobytes()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepPlan":
         values = torch.frombuffer(bytearray(data), dtype=torch.long).tolist()
-        step, layers, m = values[:3]
-        if len(values) != 3 + m:
-            raise ValueError(f"a step plan of {len(data)} bytes does not describe {m} micro-batches")
-        return cls(step, layers, values[3:])
+        step, layers, n_attention = values[:3]
+        tokens, at = [], 3
+        for _ in range(n_attention):
+            m = values[at] if at < len(values) else -1
+            if m < 0 or at + 1 + m > len(values):
+                break
+            tokens.append(values[at + 1:at + 1 + m])
+            at += 1 + m
+        if len(tokens) != n_attention or at != len(values):
+            raise ValueError(f"a step plan of {len(data)} bytes does not describe {n_attention} attention workers")
+        return cls(step, layers, tokens)
+
+    def senders(self, i: int, n_ffn: int) -> list[tuple[int, int]]:
+        """(attention rank, tokens) of micro-batch i, for every attention worker that has one."""
+        return [(attention_rank(a, n_ffn), mine[i]) for a, mine in enumerate(self.tokens) if i < len(mine)]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return max((len(mine) for mine in self.tokens), default=0)
