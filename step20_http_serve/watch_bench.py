@@ -1,7 +1,7 @@
 """What the live page costs the engine: step time unhooked, hooked with no page open, and with one
 page reading the stream over HTTP.
 
-    python -m step20_http_serve.watch_bench [--rounds 3] [--requests 16] [--max-tokens 64]
+    python -m step20_http_serve.watch_demo bench [--rounds 3] [--requests 16] [--max-tokens 64]
 
 The engine is the server's (lesson 19's, eager, the embedded SmolLM2, the server's default
 512 MiB KV pool). Each round runs the same workload (requests sharing a system prompt) once in
@@ -59,7 +59,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m step20_http_serve.watch_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m step20_http_serve.watch_demo bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=16)
@@ -112,6 +112,3 @@ def main(argv: list[str] | None = None) -> None:
     if got[1]:
         print(f"the page received {got[1]} events, {got[0] / got[1] / 1024:.1f} KiB each on average")
 
-
-if __name__ == "__main__":
-    main()

@@ -2,6 +2,7 @@
 blocks and preempts: the browser test's driver and the README's screenshot.
 
     python -m step20_http_serve.watch_demo step20_http_serve/dashboard.png
+    python -m step20_http_serve.watch_demo bench        what the page costs a step (watch_bench.py)
 
 starts the server in this process (the embedded SmolLM2, eager, a KV pool of KV_BLOCKS blocks),
 opens /dashboard in headless Chromium, sends BURST completions that share a PREFIX_TOKENS-token
@@ -93,9 +94,15 @@ def run_demo(png: Path | None, timeout_s: float = 240.0) -> DemoResult:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from step20_http_serve.watch_bench import main as bench
+        bench(argv[1:])
+        return 0
     p = argparse.ArgumentParser(prog="python -m step20_http_serve.watch_demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("png", nargs="?", type=Path, default=Path("step20_http_serve/dashboard.png"))
+    p.add_argument("png", nargs="?", type=Path, default=Path("step20_http_serve/dashboard.png"),
+                   help="where the screenshot goes ('bench' instead: the cost bench)")
     args = p.parse_args(argv)
     if (why := browser_missing()) is not None:
         print(f"skipped, no screenshot: {why}")
