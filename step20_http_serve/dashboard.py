@@ -37,6 +37,14 @@ def mount_dashboard(app: FastAPI, engine) -> Watcher:
     return watcher
 
 
+def end_page_streams(app) -> None:
+    """Before the server stops: end every open page's stream (uvicorn's graceful shutdown waits
+    for open responses, and an event stream never ends by itself). A page then shows "disconnected"."""
+    watcher = getattr(getattr(app, "state", None), "watcher", None)
+    if watcher is not None:
+        watcher.hub.close()
+
+
 def _page_file(path: str):
     body, ctype = static_file(path)
 

@@ -26,6 +26,7 @@ from step18_benchmark.faults import FaultPlan, FaultPolicy, inject_faults, promp
 from step19_real_model.llm import LLM
 from step20_http_serve.api import build_app
 from step20_http_serve.async_llm import AsyncLLM
+from step20_http_serve.dashboard import end_page_streams
 
 
 def build_server(model: str | None = None, *, served_model_name: str | None = None, dtype: str = "auto",
@@ -58,6 +59,7 @@ class ServerThread:
     """with ServerThread(app) as url: ... -- uvicorn serving `app` at url until the block ends."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -77,6 +79,7 @@ class ServerThread:
         return self.url
 
     def __exit__(self, *exc) -> None:
+        end_page_streams(self.app)
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
@@ -96,6 +99,7 @@ def serve(app, host: str, port: int, log_level: str = "info", front=None) -> Non
         return
 
     def stop(signum, frame) -> None:
+        end_page_streams(app)
         server.should_exit = True
 
     def on_dead(dead) -> None:                   # in the engine thread; uvicorn answers 503s meanwhile

@@ -109,3 +109,20 @@ def test_fastapi_routes_a_closed_page_leaves_no_task_and_no_queue(engine):
     finally:
         watcher.close()
 
+
+
+def test_stopping_lesson_20s_server_ends_an_open_page_stream_at_once(engine):
+    app = FastAPI()
+    watcher = mount_dashboard(app, engine)
+    try:
+        server = ServerThread(app)
+        with server as base:
+            sock = _open_stream(base)
+            _read_events(sock, 1)
+            start = time.monotonic()
+        stopped_s = time.monotonic() - start          # uvicorn waits up to 5 s for open responses
+        sock.close()
+        assert not server.thread.is_alive() and stopped_s < 3, stopped_s
+        assert watcher.hub.num_viewers == 0
+    finally:
+        watcher.close()
