@@ -29,9 +29,11 @@ import torch.multiprocessing as mp
 from minivllm_support.timeline import Timeline
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step17_tensor_parallel.launch import NodeLaunch
 from step17_tensor_parallel.workers import shutdown
 from advanced.adv10_pd_disaggregation.process import EngineSpec, engine_main, parse_fault
 from advanced.adv10_pd_disaggregation.records import PDRecord, PDRequest
+from advanced.adv10_pd_disaggregation.remote import PDWorkerSet, admit_engines, check_launch
 from advanced.adv10_pd_disaggregation.store import default_root
 
 
@@ -50,9 +52,12 @@ class PDCluster:
     def __init__(self, folder: str, mode: str = "disaggregated", dtype: torch.dtype = torch.float32,
                  config: PagedSchedulerConfig | None = None, threads: int = 1, transfer_timeout_s: float = 10.0,
                  fault: str = "", start_timeout_s: float = 120.0, transport: str = "store",
-                 num_prefill: int = 1, num_decode: int = 1):
+                 num_prefill: int = 1, num_decode: int = 1, launch: NodeLaunch | None = None,
+                 remote: str = "decode"):
         """num_prefill x num_decode engines (N:M, the store transport only: gloo here joins exactly
-        two processes); threads: torch threads of each engine process."""
+        two processes); threads: torch threads of each engine process. launch: lesson 17's flags
+        for two machines (gloo only): the `remote` engine ("decode" or "prefill") is the one node 1
+        runs (node.py), the other runs here (remote.py)."""
         if mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
         if threads < 1 or transfer_timeout_s <= 0:
@@ -63,6 +68,11 @@ class PDCluster:
             raise ValueError(f"{num_prefill} prefill x {num_decode} decode engines: need at least one of each, "
                              f"and exactly one of each with the gloo transport")
         parse_fault(fault)                              # a bad fault string fails here, not in a child
+        self.launch = launch if launch is not None and launch.multi_node else None
+        if self.launch is not None:
+            check_launch(self.launch, mode, transport, remote)
+        self.worker_set: PDWorkerSet | None = None
+        self.offset_s: dict[str, float] = {}           # an engine's clock -> ours (another machine)
         self.mode, self.config = mode, config or PagedSchedulerConfig()
         self.procs, self.conns, self.names = [], [], []
         self.proc_of: dict[str, mp.Process] = {}
@@ -74,10 +84,13 @@ class PDCluster:
         self.prompts: dict[int, list[int]] = {}         # kept for a retry
         roles = ([("prefill", i, num_prefill) for i in range(num_prefill)] + [("decode", i, num_decode)
                  for i in range(num_decode)] if mode == "disaggregated" else [("colocated", 0, 1)])
+        specs = [EngineSpec(role, str(folder), dtype, threads, self.config, str(self.root or ""), transfer_timeout_s,
+                            fault, rank, transport, port, start_timeout_s) for rank, (role, _, _) in enumerate(roles, 1)]
         try:
-            for rank, (role, i, n) in enumerate(roles, 1):
-                spec = EngineSpec(role, str(folder), dtype, threads, self.config, str(self.root or ""),
-                                  transfer_timeout_s, fault, rank, transport, port, start_timeout_s)
+            if self.launch is not None:
+                self._admit(specs, remote, threads, start_timeout_s)
+                return
+            for spec, (role, i, n) in zip(specs, roles):
                 self._spawn(role if n == 1 else f"{role}-{i}", spec)   # "prefill", or "prefill-0", ...
             self.info = [self._ready(i, start_timeout_s) for i in range(len(roles))]
         except BaseException:
@@ -95,6 +108,15 @@ class PDCluster:
         self.proc_of[role] = proc
         self.conns.append(ours)
         self.names.append(role)
+
+    def _admit(self, specs: list[EngineSpec], remote: str, threads: int, timeout_s: float) -> None:
+        """Across machines: lesson 17's rendezvous and control sockets (remote.py)."""
+        self.worker_set = ws = PDWorkerSet(self.launch, remote)
+        self.procs = ws.procs                       # filled as it spawns: close() stops them on failure
+        self.conns = ws.conns
+        got = admit_engines(ws, specs, self.launch, remote, threads, timeout_s)
+        self.names, self.conns, self.proc_of, self.info, self.offset_s = (got.names, got.conns, got.proc_of,
+                                                                           got.info, got.offset_s)
 
     def _ready(self, i: int, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -132,6 +154,9 @@ class PDCluster:
         return min(self.engines(role), key=load)
 
     def _died(self, i: int) -> str:
+        if self.names[i] not in self.proc_of:
+            return (f"the {self.names[i]} engine on node 1 closed its connection (its process or its machine "
+                    f"is gone)")
         proc = self.proc_of[self.names[i]]
         proc.join(1.0)
         code = proc.exitcode
@@ -228,15 +253,18 @@ class PDCluster:
             rec = self.records[msg[1]]
             rec.prefill_finished += 1
             if rec.prefill_finished == rec.prefill_sent:
-                rec.prefill_done = msg[3]
+                rec.prefill_done = msg[3] + self.offset_s.get(role, 0.0)
                 self._send(rec.decode_on, ("prefilled", msg[1]))
         elif kind == "retry":
             self._retry(*msg[1:])
         elif kind == "tokens":
+            off = self.offset_s.get(role, 0.0)
             for rid, token, t, finished, facts in msg[1]:
                 rec = self.records[rid]
                 rec.token_ids.append(token)
-                rec.token_times.append(t)
+                rec.token_times.append(t + off)
+                if facts:
+                    facts.update({k: facts[k] + off for k in ("opened", "first_layer", "landed")})
                 rec.transfer = rec.transfer or facts
                 rec.done = finished
         elif kind == "fallback":
@@ -268,13 +296,17 @@ class PDCluster:
         return self.ask("stats")
 
     def timelines(self) -> list[Timeline]:
-        return [Timeline.from_dict(d) for d in self.ask("timeline").values()]
+        out = []
+        for role, d in self.ask("timeline").items():
+            out.append(Timeline.from_dict(d))
+            out[-1].offset_ns = round(self.offset_s.get(role, 0.0) * 1e9)
+        return out
 
     def close(self) -> None:
         """Stop every engine process (ask, then terminate, then kill) and remove the store."""
         shutdown(self.procs, self.conns, wait_s=5.0)
         self.exit_codes = {role: p.exitcode for role, p in self.proc_of.items()}   # 0: a clean stop
-        self.procs, self.conns = [], []
+        self.procs, self.conns, self.worker_set = [], [], None
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
 

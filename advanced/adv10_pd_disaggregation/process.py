@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from minivllm_support.timeline import Timeline
+from minivllm_support.timeline import Timeline, answer_offset
 from step04_transformer.loader import load_model
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_tensor_parallel.worker import worker_exit
@@ -71,43 +71,54 @@ class EngineSpec:
     transport: str = "store"      # "store" (store.py) | "gloo" (gloo.py)
     port: int = 0                 # gloo: where the prefill process hosts the rendezvous
     join_timeout_s: float = 120.0
+    align_clock: bool = False     # answer the launcher's clock pings after "ready" (another machine's clock)
 
 
 def engine_main(spec: EngineSpec, conn: Connection) -> None:
+    """An engine process on the launcher's machine, behind a pipe."""
     with worker_exit(f"{spec.role} engine") as state:
         state.conn = conn
-        torch.set_num_threads(spec.threads)
-        torch.set_grad_enabled(False)
-        fault = parse_fault(spec.fault)
-        tl = Timeline(spec.rank, f"{spec.role} engine (pid {os.getpid()})")
-        model = load_model(spec.folder, spec.dtype)
-        if spec.role != "colocated" and spec.transport == "gloo":     # prefill rank 0, decode rank 1
-            rank = PREFILL_RANK if spec.role == "prefill" else DECODE_RANK
-            parallel.init_group(parallel.make_store(rank, 2, spec.port, spec.join_timeout_s), rank, 2,
-                                spec.join_timeout_s)
-        store = KVStore(spec.store_root) if spec.transport == "store" and spec.role != "colocated" else None
+        serve(spec, conn)
 
-        def make_worker(pool, num_layers: int) -> ConnectorWorker:
-            drop = {(fault["drop"], num_layers - 1)} if "drop" in fault else set()
-            once = {(fault["drop-once"], num_layers - 1)} if "drop-once" in fault else set()
-            if store is None:
-                return GlooConnectorWorker(pool, num_layers, spec.transfer_timeout_s, drop, tl, spec.role, once)
-            return StoreConnectorWorker(store, pool, num_layers, spec.transfer_timeout_s, drop, tl, once)
 
-        send = conn.send
-        on_start = (lambda rids: send(("started", rids, time.perf_counter()))) if spec.role == "prefill" else None
-        extra = {"make_worker": make_worker} if spec.role != "colocated" else {}
-        if on_start:
-            extra["on_save_start"] = on_start
-        if spec.role == "decode":                   # the launcher has the prefill engine send it again
-            extra["on_retry"] = lambda r: send(("retry", r.req_id, r.reason, r.from_layer))
-        engine = build_pd_engine(model, spec.role, config=spec.config, **extra)
-        if "exit-prefill" in fault and isinstance(engine, PrefillEngine):
-            arm_exit_after_layer0(engine, fault["exit-prefill"])
-        bm = engine.scheduler.block_manager
-        conn.send(("ready", {"pid": os.getpid(), "num_blocks": bm.num_blocks, "block_size": bm.block_size}))
-        loop = prefill_loop if isinstance(engine, PrefillEngine) else decode_loop
-        loop(engine, conn, tl, fault)
+def serve(spec: EngineSpec, conn: Connection, rendezvous=None) -> None:
+    """Load, join the other engine (gloo), build the engine, say ready, run its loop until told to
+    stop. conn: a pipe, or lesson 17's control socket (node.py); rendezvous: the launcher's store
+    when the engines meet there (across machines), else the prefill process hosts one."""
+    torch.set_num_threads(spec.threads)
+    torch.set_grad_enabled(False)
+    fault = parse_fault(spec.fault)
+    tl = Timeline(spec.rank, f"{spec.role} engine (pid {os.getpid()})")
+    model = load_model(spec.folder, spec.dtype)
+    if spec.role != "colocated" and spec.transport == "gloo":     # prefill rank 0, decode rank 1
+        rank = PREFILL_RANK if spec.role == "prefill" else DECODE_RANK
+        rendezvous = rendezvous or parallel.make_store(rank, 2, spec.port, spec.join_timeout_s)
+        parallel.init_group(rendezvous, rank, 2, spec.join_timeout_s)
+    store = KVStore(spec.store_root) if spec.transport == "store" and spec.role != "colocated" else None
+
+    def make_worker(pool, num_layers: int) -> ConnectorWorker:
+        drop = {(fault["drop"], num_layers - 1)} if "drop" in fault else set()
+        once = {(fault["drop-once"], num_layers - 1)} if "drop-once" in fault else set()
+        if store is None:
+            return GlooConnectorWorker(pool, num_layers, spec.transfer_timeout_s, drop, tl, spec.role, once)
+        return StoreConnectorWorker(store, pool, num_layers, spec.transfer_timeout_s, drop, tl, once)
+
+    send = conn.send
+    on_start = (lambda rids: send(("started", rids, time.perf_counter()))) if spec.role == "prefill" else None
+    extra = {"make_worker": make_worker} if spec.role != "colocated" else {}
+    if on_start:
+        extra["on_save_start"] = on_start
+    if spec.role == "decode":                   # the launcher has the prefill engine send it again
+        extra["on_retry"] = lambda r: send(("retry", r.req_id, r.reason, r.from_layer))
+    engine = build_pd_engine(model, spec.role, config=spec.config, **extra)
+    if "exit-prefill" in fault and isinstance(engine, PrefillEngine):
+        arm_exit_after_layer0(engine, fault["exit-prefill"])
+    bm = engine.scheduler.block_manager
+    conn.send(("ready", {"pid": os.getpid(), "num_blocks": bm.num_blocks, "block_size": bm.block_size}))
+    if spec.align_clock:
+        answer_offset(conn)                      # the launcher maps this process's times onto its clock
+    loop = prefill_loop if isinstance(engine, PrefillEngine) else decode_loop
+    loop(engine, conn, tl, fault)
 
 
 def arm_exit_after_layer0(engine: PrefillEngine, rid: int) -> None:
