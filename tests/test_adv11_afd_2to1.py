@@ -22,6 +22,7 @@ from step16_cuda_graph.cpu.engine import build_engine
 from step17_tensor_parallel.workers import WorkerFailed
 from advanced.adv11_afd.costmodel import LayerCost, StepShape, layer_times, measured_loops, step_shapes
 from advanced.adv11_afd.engine import AFDEngine
+from advanced.adv11_afd.owned_cache import OwnedPrefixCache
 from advanced.adv11_afd.runner import split_by_owner
 
 
@@ -74,7 +75,8 @@ def two_to_one_case(tiny4):
 @pytest.mark.slow
 def test_two_to_one_equals_single_process_with_idle_ranks(tiny4, two_to_one_case, no_leftovers):
     """2:1 at m = 1 and 2: one process's tokens, token for token (fp32), while the requests of one
-    attention rank finish first (its rank idles, the FFN serves the other alone), then of the other."""
+    attention rank finish first (its rank idles, the FFN serves the other alone), then of the other;
+    the second pass finds the prompts in each rank's own prefix cache."""
     waves, sps, refs = two_to_one_case
     with AFDEngine(tiny4, _config(), num_attention=2, dtype=torch.float32, timeout_s=20) as engine:
         assert engine.world == 3 and len(engine.workers) == 2
@@ -84,6 +86,7 @@ def test_two_to_one_equals_single_process_with_idle_ranks(tiny4, two_to_one_case
                 seqs = engine.generate(prompts, sp)
                 assert [s.output_token_ids for s in seqs] == ref, m
                 assert len({s.seq_id % 2 for s in seqs}) == 2                 # both ranks had requests
+        assert engine.scheduler.block_manager.hit_tokens > 0                # m = 2 found m = 1's prompts, per rank
         tls = engine.collect_timelines()
         assert validate_trace(chrome_trace(tls)) == [] and len(tls) == 3
         shapes = step_shapes(tls[0], [tls[2]])
@@ -114,3 +117,35 @@ def test_two_to_one_killed_process_is_a_clear_error(tiny4, victim, no_leftovers)
         assert time.perf_counter() - t0 < 15
         assert f"rank {rank}: process ended (killed by signal 9)" in str(info.value)
         assert engine.closed and not any(w.is_alive() for w in engine.workers)
+
+
+def test_each_attention_rank_has_its_own_prefix_cache():
+    """One block-id space, one cache per rank: a prefix cached by one rank's sequence serves a later
+    sequence of that rank, never one of the other rank (whose pool holds nothing at those ids);
+    eviction removes a hash from the map of the rank that cached it."""
+    bm = OwnedPrefixCache(num_blocks=6, block_size=4, n_attention=2)
+    prompt = list(range(10, 23))                                            # 13 tokens: 3 full blocks
+
+    def run(seq: Sequence) -> None:                                         # admit, compute, cache, finish
+        bm.match_prefix(seq)
+        bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        bm.cache_full_blocks(seq)
+
+    seqs = [Sequence(list(prompt), SamplingParams()) for _ in range(4)]
+    first = seqs[0]
+    same = next(s for s in seqs[1:] if s.seq_id % 2 == first.seq_id % 2)
+    other = next(s for s in seqs[1:] if s.seq_id % 2 != first.seq_id % 2)
+    run(first)
+    assert bm.match_prefix(other) == 0                                      # the other rank: nothing cached
+    bm.free(other)
+    assert bm.match_prefix(same) == 12                                      # its own rank: 3 blocks reused
+    assert bm.table(same) == first.block_table[:3]
+    bm.free(same)
+    bm.free(first)
+    other = Sequence(list(prompt), SamplingParams())
+    other = other if other.seq_id % 2 != first.seq_id % 2 else Sequence(list(prompt), SamplingParams())
+    run(other)                                        # takes 2 never-used blocks and 2 of first's: evicts one
+    assert [len(c) for c in bm.caches][::1 if other.seq_id % 2 else -1] == [2, 3] and bm.num_free_blocks == 2
+    assert set(bm.rank_of_block) == set(bm.hash_of) and all(
+        bm.caches[r][bm.hash_of[b]] == b for b, r in bm.rank_of_block.items())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,8 +28,7 @@ import torch.distributed as dist
 
 from minivllm_support.models import check_model_dir
 from minivllm_support.timeline import Timeline, measure_offset
-from step12_paged_attention.block_manager import BlockManager
-from step12_paged_attention.scheduler import PagedScheduler, PagedSchedulerConfig
+from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step15_flash_attention.backends import choose_backend
 from step15_flash_attention.engine import Engine, create_kv_pool, create_scheduler, fit_block_size
 from step16_cuda_graph.cpu.engine import KernelSampler, cpu_fast_path
@@ -39,6 +39,7 @@ from step17_tensor_parallel.worker import model_bytes
 from step17_tensor_parallel.workers import WorkerFailed, WorkerSet
 from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv11_afd.ffn_worker import STARTUP_TIMEOUT_S, FFNSpec, ffn_worker_main, run_flags
+from advanced.adv11_afd.owned_cache import OwnedPrefixCache
 from advanced.adv11_afd.peer import PeerSpec, peer_main
 from advanced.adv11_afd.runner import AFDRunner
 from advanced.adv11_afd.split import load_attention_side
@@ -110,9 +111,9 @@ class AFDEngine(Engine):
         runner = AFDRunner(model0, pool, attention, self.conns, num_ffn, timeout_s, self.timeline, num_micro_batches,
                            num_attention)
         # N:1: one block manager names blocks in every attention rank's pool, so a prefix cached by
-        # one rank's sequence cannot serve another rank's: lesson 12's scheduler, without the cache.
-        parts = () if num_attention == 1 else (PagedScheduler, BlockManager)
-        super().__init__(model0, create_scheduler(config, pool.num_blocks, *parts), pool, attention, runner,
+        # one rank's sequence can serve only that rank's: one prefix cache per rank (owned_cache.py).
+        parts = {} if num_attention == 1 else {"block_manager_class": partial(OwnedPrefixCache, n_attention=num_attention)}
+        super().__init__(model0, create_scheduler(config, pool.num_blocks, **parts), pool, attention, runner,
                          KernelSampler())
 
     @property
