@@ -124,3 +124,22 @@ def test_scratch_block_of_lesson_16_and_a_class_watch(tiny):
     kv = events[-1]["kv"]
     validate_event(events[-1])
     assert kv["scratch"] == 1 and kv["state"][-1] == "s" and kv["num_blocks"] == engine.kv_pool.num_blocks
+
+
+def test_advanced_05s_radix_tree_is_drawn_as_its_nodes(tiny):
+    from advanced.adv05_radix_cache.engine import build_radix_engine
+    bpb = KVPool.bytes_per_block(tiny.config, 16, torch.float32)
+    engine = build_radix_engine(tiny, PagedSchedulerConfig(kv_cache_bytes=40 * bpb, max_num_seqs=4),
+                                fast_path=False, use_graph=False, pack_weights=False)
+    watcher = Watcher()
+    watcher.attach(engine)
+    viewer = watcher.hub.subscribe()
+    engine.generate([PREFIX + [100 + i] for i in range(3)], SamplingParams(max_tokens=4))
+    events = _drain(viewer)
+    for e in events:
+        validate_event(e)
+    tree = events[-1]["prefix"]
+    assert tree["kind"] == "radix" and tree["total"] == len(engine.scheduler.block_manager.tree.nodes()) >= 2
+    ids = {n["id"] for n in tree["nodes"]}
+    assert all(n["parent"] is None or n["parent"] in ids for n in tree["nodes"])
+    assert events[-1]["kv"]["used"] == 0 and events[-1]["kv"]["cached"] > 0    # held by the tree, no one's
