@@ -10,6 +10,12 @@ from advanced.adv11_afd.costmodel import (balanced_ratio, fit_attention, fit_ffn
 CONTEXTS = (64, 512, 4096)        # tokens of KV per sequence at which the balancing ratio is shown
 
 
+def ratio(name: str) -> tuple[int, int]:
+    """"AFD 2:1, m=2" -> (2, 1): attention and FFN processes."""
+    a, f = name.split()[1].rstrip(",").split(":")
+    return int(a), int(f)
+
+
 def report(runs, args, dtype, cfg, ffn_counts) -> None:
     base = next(iter(runs.values()))
     gen = args.generated
@@ -24,12 +30,14 @@ def report(runs, args, dtype, cfg, ffn_counts) -> None:
     print("\nbusy share of each process (compute spans / the run's window; the last timed run), and inside the "
           "layer loops only (rank 0: attention halves; FFN: its MLP halves):")
     for name, t in afd.items():
-        tls = t.result["timelines"]
+        tls, (n_attn, n_ffn) = t.result["timelines"], ratio(name)
         win, loops = window(tls), measured_loops(tls)
-        ffn = ", ".join(f"{busy_fraction(tl, ('compute',), win):.0%}" for tl in tls[1:])
-        whole = f"rank 0 {busy_fraction(tls[0], ('compute',), win):.0%}, FFN {ffn}"
+        ffn = ", ".join(f"{busy_fraction(tl, ('compute',), win):.0%}" for tl in tls[1:1 + n_ffn])
+        peers = "".join(f", attn {busy_fraction(tl, ('compute',), win):.0%}" for tl in tls[1 + n_ffn:])
+        whole = f"rank 0 {busy_fraction(tls[0], ('compute',), win):.0%}, FFN {ffn}{peers}"
         print(f"  {name:<16} whole run: {whole:<24} layer loops ({loops.seconds:.2f} s): "
-              f"attention {loops.attention_busy:.0%}, busiest FFN rank {loops.ffn_busy:.0%}; "
+              f"{'busiest ' if n_attn > 1 else ''}attention {loops.attention_busy:.0%}, "
+              f"busiest FFN rank {loops.ffn_busy:.0%}; "
               f"{1e3 * t.median / t.result['traffic']['steps']:.1f} ms a step ({t.result['traffic']['steps']} steps)\n"
               f"  {'':<16} trace: {t.result['trace']}")
 
@@ -46,6 +54,10 @@ def report(runs, args, dtype, cfg, ffn_counts) -> None:
           f"with m = 1; m micro-batches: m x the messages, the same bytes")
     print(f"  measured exchange overhead on this machine (gloo over loopback): {1e6 * hop:.0f} us per layer "
           f"(mean round trip less the FFN's compute, {len(hop_samples(tls))} exchanges of the m=1 run)")
+    peer = next((t.result["traffic"] for n, t in afd.items() if ratio(n)[0] > 1), None)
+    if peer:
+        print(f"  2:1: the second attention rank's last hidden rows go to rank 0 once a step (its share of the "
+              f"tokens x {per_token:.0f} B): {peer['from_peers'] / 1024:.0f} KiB over {peer['steps']} steps")
     print(f"  link model (computed, not measured): ms per decode step = bytes x 8 / bandwidth + messages x "
           f"{LATENCY_US:.0f} us")
     print(f"  {'':24}" + "".join(f"{f'{g} Gbit/s':>14}" for g in LINKS_GBIT))
@@ -60,13 +72,16 @@ def report(runs, args, dtype, cfg, ffn_counts) -> None:
           f"{1e9 * attn.per_kv_token_s:.1f} ns per KV token read, per layer")
     print(f"  FFN half:       {1e6 * ffn.fixed_s:.0f} us + {1e6 * ffn.per_token_s:.1f} us per token, per layer")
     print(f"  exchange:       {1e6 * hop:.0f} us per layer and micro-batch (both ways)")
+    print(f"  {'':<16} layer loops of the run, predicted and measured: seconds (a step), busy attention, FFN")
     for name, t in afd.items():
-        n_ffn = int(name.split(":")[1].split(",")[0])
-        tl = t.result["timelines"]
-        pred, meas = predict_loops(step_shapes(tl[0]), attn, ffn, hop, n_ffn), measured_loops(tl)
-        print(f"  {name:<16} layer loops predicted {pred.seconds:.2f} s (attention {pred.attention_busy:.0%}, "
-              f"FFN {pred.ffn_busy:.0%} busy), measured {meas.seconds:.2f} s ({meas.attention_busy:.0%}, "
-              f"{meas.ffn_busy:.0%}){'   <- fitted here' if t is first else ''}")
+        n_attn, n_ffn = ratio(name)
+        tl, steps = t.result["timelines"], t.result["traffic"]["steps"]
+        shapes = step_shapes(tl[0], tl[1 + n_ffn:])
+        pred, meas = predict_loops(shapes, attn, ffn, hop, n_ffn), measured_loops(tl)
+        print(f"  {name:<16} predicted {pred.seconds:.2f} s ({1e3 * pred.seconds / steps:5.1f} ms) "
+              f"{pred.attention_busy:4.0%} {pred.ffn_busy:4.0%}   measured {meas.seconds:.2f} s "
+              f"({1e3 * meas.seconds / steps:5.1f} ms) {meas.attention_busy:4.0%} {meas.ffn_busy:4.0%}"
+              f"{'   <- fitted here' if t is first else ''}")
     print(f"\nthe attention:FFN ratio that balances a decode batch of {B} (attention time / FFN time for the same "
           f"tokens, by the model):")
     for c in CONTEXTS:

@@ -1,6 +1,7 @@
 """Advanced lesson 11: attention/FFN disaggregation. Every layer's MLP in another process; the
 attention side ships its hidden states there and back per layer, with 1 and 2 micro-batches
-ping-ponging, at 1 and 2 FFN processes, against one process: step time, busy share of each side
+ping-ponging, at 1 and 2 FFN processes and at 2 attention processes : 1 FFN process, against one
+process: step time, busy share of each side
 from the timeline, bytes per layer priced on 10/25/100 Gbit/s, and a cost model fitted on one run
 that predicts the balancing attention:FFN ratio and is checked on the others."""
 from __future__ import annotations
@@ -32,7 +33,8 @@ def disaggregated(engine: AFDEngine, m: int, prompts, sp):
         t = engine.traffic
         return dict(outputs=[s.output_token_ids for s in seqs], timelines=engine.collect_timelines(),
                     traffic=dict(to_ffn=t.to_ffn, from_ffn=t.from_ffn, plan=t.plan, exchanges=t.exchanges,
-                                 layer_tokens=t.layer_tokens, steps=engine.runner.steps - steps))
+                                 layer_tokens=t.layer_tokens, from_peers=t.from_peers,
+                                 steps=engine.runner.steps - steps))
     return run
 
 
@@ -44,11 +46,18 @@ def trace_name(variant: str) -> str:
 
 def one_decode_step(timelines: list[Timeline], layers: int = 4) -> tuple[list[Timeline], int]:
     """The same ranks with only the first `layers` layers of one decode step (a step of the fewest
-    tokens, from the middle of those): readable, where the whole run is thousands of spans."""
+    tokens in which every attention rank works, from the middle of those): readable, where the
+    whole run is thousands of spans."""
     tokens: dict[int, int] = {}
-    for s in timelines[0].spans:
-        if "kv_tokens" in s.args and s.args["layer"] == 0:
-            tokens[s.args["step"]] = tokens.get(s.args["step"], 0) + s.args["tokens"]
+    seen: dict[int, set[int]] = {}                       # 2:1: the attention ranks that worked in a step
+    attention = [tl for tl in timelines if any("kv_tokens" in s.args for s in tl.spans)]
+    for tl in attention:
+        for s in tl.spans:
+            if "kv_tokens" in s.args and s.args["layer"] == 0:
+                tokens[s.args["step"]] = tokens.get(s.args["step"], 0) + s.args["tokens"]
+                seen.setdefault(s.args["step"], set()).add(tl.rank)
+    both = {k: n for k, n in tokens.items() if len(seen[k]) == len(attention)}
+    tokens = both or tokens                              # prefer a step where every attention rank works
     fewest = sorted(k for k, n in tokens.items() if n == min(tokens.values()))
     k = fewest[len(fewest) // 2]
     return [Timeline(tl.rank, tl.name, [s for s in tl.spans if s.args.get("step") == k
@@ -74,6 +83,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--ffn", default="1,2", help="FFN processes to run (attention is always 1 process); "
                    "the first count's m=1 run fits the cost model")
+    p.add_argument("--attn", default=None, help="attention processes: 1 (with each --ffn count) and 2 (2:1, one "
+                   "FFN process, this machine only); default 1,2 (1 across machines)")
     p.add_argument("--out", type=Path, default=Path("build/adv11"), help="folder for the traces")
     add_launch_flags(p, "python -m advanced.adv11_afd.node --num-ffn N   (one --ffn count per run across machines)")
     args = p.parse_args()
@@ -81,6 +92,13 @@ def main() -> None:
     dtype, folder, model, tok = start_lesson(args)
     cores = args.threads or os.cpu_count() or 1
     ffn_counts = [int(n) for n in args.ffn.split(",")]
+    launch = launch_from_args(args)
+    attn_counts = [int(n) for n in (args.attn or ("1" if launch and launch.nnodes > 1 else "1,2")).split(",")]
+    if not set(attn_counts) <= {1, 2} or 1 not in attn_counts:
+        p.error(f"--attn takes 1 or 1,2 (the 1:N runs fit the cost model), got {args.attn}")
+    if 2 in attn_counts and launch and launch.nnodes > 1:
+        p.error("--attn 2 (2:1) runs on one machine only: leave it out with --nnodes")
+    ratios = [(1, n) for n in ffn_counts] + [(2, 1)] * (2 in attn_counts)
     prompts, sp = workload(tok, args.requests, args.max_tokens)
     args.generated = sum(p.max_tokens for p in sp)
     config = PagedSchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=256, block_size=16,
@@ -91,15 +109,17 @@ def main() -> None:
     runs = compare({f"one process, {cores} threads": one_process(single, cores, prompts, sp),
                     "one process, 1 thread": one_process(single, 1, prompts, sp)}, repeats=args.repeats)
     memory = {}
-    for n_ffn in ffn_counts:
-        with AFDEngine(folder, config, num_ffn=n_ffn, dtype=dtype, threads_per_rank=1,
-                       launch=launch_from_args(args)) as engine:
-            memory[n_ffn] = engine.rank_memory
-            ms = (1, 2) if n_ffn == ffn_counts[0] else (2,)     # the first count's m=1 run fits the model
-            runs.update(compare({f"AFD 1:{n_ffn}, m={m}": disaggregated(engine, m, prompts, sp) for m in ms},
+    for n_attn, n_ffn in ratios:
+        with AFDEngine(folder, config, num_ffn=n_ffn, num_attention=n_attn, dtype=dtype, threads_per_rank=1,
+                       launch=launch) as engine:
+            memory[f"{n_attn}:{n_ffn}"] = engine.rank_memory
+            # the first count's m=1 run fits the model; 2:1 is checked against it at m = 1 and 2
+            ms = (1, 2) if n_ffn == ffn_counts[0] else (2,)
+            runs.update(compare({f"AFD {n_attn}:{n_ffn}, m={m}": disaggregated(engine, m, prompts, sp) for m in ms},
                                 repeats=args.repeats))
-    print("\nprocesses: 1 attention + FFN processes, 1 torch thread each; weights per rank (MiB): " + "; ".join(
-        f"1:{n} {[round(r['weight_bytes'] / 2**20, 1) for r in mem]}" for n, mem in memory.items())
+    print("\nprocesses: attention + FFN processes, 1 torch thread each; weights per rank (MiB, rank order: "
+          "attention, FFN, second attention): " + "; ".join(
+        f"{k} {[round(r['weight_bytes'] / 2**20, 1) for r in mem]}" for k, mem in memory.items())
         + f" (one process: {round(sum(t.numel() * t.element_size() for t in model.parameters()) / 2**20, 1)})")
     args.out.mkdir(parents=True, exist_ok=True)
     for name, t in runs.items():
