@@ -15,6 +15,10 @@ The engine is lesson 15's `Engine`, unchanged; only its runner differs (`AFDRunn
 group and say "ready"; one that raises sends its traceback and exits, one that is killed closes
 its sockets, so rank 0's next receive fails at once (one that hangs: after `timeout_s`) and
 `WorkerFailed` carries the workers' own account. The engine is then closed.
+
+2 attention : 1 FFN (`num_attention=2`): rank 2 is a second attention process (peer.py) with its
+own KV pool; each sequence lives on rank seq_id % 2, rank 0's one scheduler and sampler serve
+both, and the scheduler's prefix cache is kept per rank (owned_cache.py).
 """
 from __future__ import annotations
 

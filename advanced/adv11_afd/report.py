@@ -4,7 +4,7 @@ from __future__ import annotations
 from minivllm_support.cli import identity_line
 from minivllm_support.timeline import busy_fraction, window
 from advanced.adv06_pipeline_parallel.wire import LATENCY_US, LINKS_GBIT, link_ms
-from advanced.adv11_afd.costmodel import (balanced_ratio, fit_attention, fit_ffn, fit_hop, hop_samples,
+from advanced.adv11_afd.costmodel import (balanced_ratio, ffn_spans, fit_attention, fit_ffn, fit_hop, hop_samples,
                                           measured_loops, predict_loops, step_shapes)
 
 CONTEXTS = (64, 512, 4096)        # tokens of KV per sequence at which the balancing ratio is shown
@@ -14,6 +14,17 @@ def ratio(name: str) -> tuple[int, int]:
     """"AFD 2:1, m=2" -> (2, 1): attention and FFN processes."""
     a, f = name.split()[1].rstrip(",").split(":")
     return int(a), int(f)
+
+
+def ffn_rows(tls, n_attn: int, n_ffn: int) -> str:
+    """Rows per FFN call (2:1 stacks both attention ranks' rows), and how often both ranks worked."""
+    calls = [s.args["tokens"] for tl in tls[1:1 + n_ffn] for s in ffn_spans(tl)]
+    line = f"FFN calls: {len(calls)}, {sum(calls) / max(1, len(calls)):.1f} rows on average"
+    if n_attn > 1:
+        shapes = step_shapes(tls[0], tls[1 + n_ffn:])
+        both = sum(all([s.micro_batches, *s.peers]) for s in shapes)
+        line += f"; steps with every attention rank working: {both} of {len(shapes)}"
+    return line
 
 
 def report(runs, args, dtype, cfg, ffn_counts) -> None:
@@ -39,6 +50,7 @@ def report(runs, args, dtype, cfg, ffn_counts) -> None:
               f"{'busiest ' if n_attn > 1 else ''}attention {loops.attention_busy:.0%}, "
               f"busiest FFN rank {loops.ffn_busy:.0%}; "
               f"{1e3 * t.median / t.result['traffic']['steps']:.1f} ms a step ({t.result['traffic']['steps']} steps)\n"
+              f"  {'':<16} {ffn_rows(tls, n_attn, n_ffn)}\n"
               f"  {'':<16} trace: {t.result['trace']}")
 
     first = afd[f"AFD 1:{ffn_counts[0]}, m=1"] if f"AFD 1:{ffn_counts[0]}, m=1" in afd else next(iter(afd.values()))
