@@ -10,45 +10,35 @@
 It is the proxy in front of the two engines. It sends each request to both at once, so the
 decode engine allocates its blocks first and loads layer 0 while the prefill engine is still on
 the later layers (vLLM's example proxy waits for the prefill to finish before it asks decode).
-Faults: a prefill process that dies turns every transfer still open into a counted local
+A transfer the decode engine asks for again (a retry) goes back to the prefill engine that had
+it. Faults: a prefill process that dies turns every transfer still open into a counted local
 recompute on the decode side, and later requests run there alone; a decode process that dies is
-an error naming its exit code, the others are stopped, and nothing is left running.
+an error naming its exit code, the others are stopped, and nothing is left running. The
+processes themselves (pipes, or control sockets across machines) are launcher.py's.
 """
 from __future__ import annotations
 
-import pickle
 import shutil
-import socket
 import sys
 import time
 from multiprocessing.connection import wait
 
 import torch
-import torch.multiprocessing as mp
 
-from minivllm_support.timeline import Timeline
 from step06_sampler.params import SamplingParams
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step17_tensor_parallel.launch import NodeLaunch
 from step17_tensor_parallel.workers import shutdown
-from advanced.adv10_pd_disaggregation.process import EngineSpec, engine_main, parse_fault
+from advanced.adv10_pd_disaggregation.launcher import EngineFailed, EngineHandles, free_port
+from advanced.adv10_pd_disaggregation.process import EngineSpec, parse_fault
 from advanced.adv10_pd_disaggregation.records import PDRecord, PDRequest
-from advanced.adv10_pd_disaggregation.remote import PDWorkerSet, admit_engines, check_launch
+from advanced.adv10_pd_disaggregation.remote import check_launch
 from advanced.adv10_pd_disaggregation.store import default_root
 
-
-def free_port() -> int:
-    """A port nobody listens on now (the OS picks it), for the gloo rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["EngineFailed", "PDCluster", "PDRequest", "free_port"]
 
 
-class EngineFailed(RuntimeError):
-    """An engine process the launcher cannot do without (decode, colocated) died or fell silent."""
-
-
-class PDCluster:
+class PDCluster(EngineHandles):
     def __init__(self, folder: str, mode: str = "disaggregated", dtype: torch.dtype = torch.float32,
                  config: PagedSchedulerConfig | None = None, threads: int = 1, transfer_timeout_s: float = 10.0,
                  fault: str = "", start_timeout_s: float = 120.0, transport: str = "store",
@@ -71,12 +61,8 @@ class PDCluster:
         self.launch = launch if launch is not None and launch.multi_node else None
         if self.launch is not None:
             check_launch(self.launch, mode, transport, remote)
-        self.worker_set: PDWorkerSet | None = None
-        self.offset_s: dict[str, float] = {}           # an engine's clock -> ours (another machine)
+        self._init_handles()
         self.mode, self.config = mode, config or PagedSchedulerConfig()
-        self.procs, self.conns, self.names = [], [], []
-        self.proc_of: dict[str, mp.Process] = {}
-        self.replies: list[tuple] = []
         self.root = default_root() if mode == "disaggregated" and transport == "store" else None
         port = free_port() if mode == "disaggregated" and transport == "gloo" else 0
         self.prefill_lost: str | None = None
@@ -97,53 +83,6 @@ class PDCluster:
             self.close()
             raise
 
-    # ---- processes -----------------------------------------------------------------------------
-    def _spawn(self, role: str, spec: EngineSpec) -> None:
-        ctx = mp.get_context("spawn")
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=engine_main, args=(spec, theirs), name=f"pd-{role}", daemon=True)
-        proc.start()
-        theirs.close()
-        self.procs.append(proc)
-        self.proc_of[role] = proc
-        self.conns.append(ours)
-        self.names.append(role)
-
-    def _admit(self, specs: list[EngineSpec], remote: str, threads: int, timeout_s: float) -> None:
-        """Across machines: lesson 17's rendezvous and control sockets (remote.py)."""
-        self.worker_set = ws = PDWorkerSet(self.launch, remote)
-        self.procs = ws.procs                       # filled as it spawns: close() stops them on failure
-        self.conns = ws.conns
-        got = admit_engines(ws, specs, self.launch, remote, threads, timeout_s)
-        self.names, self.conns, self.proc_of, self.info, self.offset_s = (got.names, got.conns, got.proc_of,
-                                                                           got.info, got.offset_s)
-
-    def _ready(self, i: int, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.conns[i].poll(0.1):
-                try:
-                    kind, info = self._recv(i)
-                except (EOFError, OSError):
-                    raise EngineFailed(f"{self._died(i)} while starting") from None
-                if kind == "error":
-                    raise EngineFailed(f"the {self.names[i]} engine failed while starting:\n{info}")
-                return info
-            proc = self.proc_of[self.names[i]]
-            if not proc.is_alive():
-                raise EngineFailed(f"the {self.names[i]} engine exited with code {proc.exitcode} while starting")
-        raise EngineFailed(f"the {self.names[i]} engine did not start within {timeout_s:g} s")
-
-    def _recv(self, i: int):
-        return pickle.loads(self.conns[i].recv_bytes())
-
-    def _send(self, role: str, msg: tuple) -> None:
-        self.conns[self.names.index(role)].send(msg)
-
-    def engines(self, role: str) -> list[str]:
-        """The live engines of a role ("prefill", "decode", "colocated"), by name."""
-        return [n for n in self.names if n.split("-")[0] == role]
-
     def least_loaded(self, role: str) -> str:
         """The engine of `role` with the fewest requests still in its hands (N:M routing)."""
         def load(name: str) -> int:
@@ -152,17 +91,6 @@ class PDCluster:
                            for r in self.records.values())
             return sum(r.decode_on == name and not r.done for r in self.records.values())
         return min(self.engines(role), key=load)
-
-    def _died(self, i: int) -> str:
-        if self.names[i] not in self.proc_of:
-            return (f"the {self.names[i]} engine on node 1 closed its connection (its process or its machine "
-                    f"is gone)")
-        proc = self.proc_of[self.names[i]]
-        proc.join(1.0)
-        code = proc.exitcode
-        how = "is still running but closed its pipe" if code is None else (
-            f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
-        return f"the {self.names[i]} engine (pid {proc.pid}) {how}"
 
     # ---- a run ---------------------------------------------------------------------------------
     def run(self, requests: list[PDRequest], timeout_s: float = 300.0) -> list[PDRecord]:
@@ -193,7 +121,8 @@ class PDCluster:
             rec.prefill_on = self.least_loaded("prefill")
             self.prompts[rec.rid] = req.prompt_ids
             self._to_prefill(rec)
-        elif self.mode == "disaggregated":
+            remote = rec.prefill_on in self.names     # it may have been found gone just now
+        if self.mode == "disaggregated" and not remote:
             rec.fallback = f"no prefill engine ({self.prefill_lost})"
         self._send(rec.decode_on, ("add", rec.rid, req.prompt_ids, params, remote))
 
@@ -220,10 +149,14 @@ class PDCluster:
             while self.conns[i].poll(0):
                 self._handle(role, self._recv(i))
         except (EOFError, OSError):
-            if not role.startswith("prefill"):
-                raise EngineFailed(f"{self._died(i)}; {sum(not r.done for r in self.records.values())} "
-                                   f"requests unfinished") from None
-            self._lose_prefill(role, self._died(i))
+            self._gone(i)
+
+    def _gone(self, i: int) -> None:
+        role = self.names[i]
+        if not role.startswith("prefill"):
+            raise EngineFailed(f"{self._died(i)}; {sum(not r.done for r in self.records.values())} "
+                               f"requests unfinished") from None
+        self._lose_prefill(role, self._died(i))
 
     def _lose_prefill(self, name: str, why: str) -> None:
         """A prefill engine is gone: its open transfers become fallbacks on their decode engines;
@@ -274,33 +207,6 @@ class PDCluster:
                   f"recomputed on the decode engine", file=sys.stderr)
         else:
             self.replies.append(msg)
-
-    # ---- questions to every engine ------------------------------------------------------------
-    def ask(self, what: str, timeout_s: float = 30.0) -> dict[str, object]:
-        """Each live engine's answer to ("stats",) or ("timeline",), by role."""
-        self.replies: list[tuple] = []
-        out = {}
-        for i, role in enumerate(list(self.names)):
-            self.conns[i].send((what,))
-            deadline = time.monotonic() + timeout_s
-            while not any(m[0] == what for m in self.replies):
-                if time.monotonic() > deadline:
-                    raise EngineFailed(f"the {role} engine did not answer {what!r} within {timeout_s:g} s")
-                if self.conns[i].poll(0.05):
-                    self._drain(i)
-            out[role] = next(m[1] for m in self.replies if m[0] == what)
-            self.replies = []
-        return out
-
-    def stats(self) -> dict[str, dict]:
-        return self.ask("stats")
-
-    def timelines(self) -> list[Timeline]:
-        out = []
-        for role, d in self.ask("timeline").items():
-            out.append(Timeline.from_dict(d))
-            out[-1].offset_ns = round(self.offset_s.get(role, 0.0) * 1e9)
-        return out
 
     def close(self) -> None:
         """Stop every engine process (ask, then terminate, then kill) and remove the store."""

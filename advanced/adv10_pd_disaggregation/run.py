@@ -18,6 +18,7 @@ from minivllm_support.timing import busy_warning
 from minivllm_support.timeline import chrome_trace, draw_png, validate_trace, write_chrome_trace
 from step04_transformer.config import ModelConfig
 from step12_paged_attention.scheduler import PagedSchedulerConfig
+from step17_tensor_parallel.launch import add_launch_flags, launch_from_args
 from step18_benchmark.loadgen import arrival_times
 from step18_benchmark.metrics import SLO, RequestRecord, percentile_stats, summarize
 from advanced.adv06_pipeline_parallel.wire import LATENCY_US, LINKS_GBIT, link_ms
@@ -45,13 +46,17 @@ def parse():
     p.add_argument("--slo-tpot-ms", type=float, default=150.0)
     p.add_argument("--transfer-timeout", type=float, default=10.0, help="seconds a decode engine waits for a "
                    "layer once its prefill started, before recomputing the prompt itself")
-    p.add_argument("--fault", default="", help="inject, e.g. drop:3 (request 3's last layer is lost) or "
-                   "exit-prefill:5 (the prefill process dies mid-transfer): the fallbacks are counted below")
+    p.add_argument("--fault", default="", help="inject, e.g. drop-once:3 (request 3's last layer is lost once: "
+                   "a retry brings it), drop:3 (lost every time: a fallback after the retry) or exit-prefill:5 "
+                   "(the prefill process dies mid-transfer): retries and fallbacks are counted below")
     p.add_argument("--transports", default="store,gloo", help="KV transports to run disaggregated: store "
                    "(files in /dev/shm, store.py), gloo (torch.distributed send/recv, gloo.py)")
     p.add_argument("--prefill", type=int, default=1, help="prefill engine processes (N:M: the store only)")
     p.add_argument("--decode", type=int, default=1, help="decode engine processes")
     p.add_argument("--out", type=Path, default=Path("build/adv10"), help="folder for the traces and PNGs")
+    p.add_argument("--remote", choices=("decode", "prefill"), default="decode", help="with --nnodes 2: the "
+                   "engine node 1 runs (node.py --role); the launcher and the other engine run here")
+    add_launch_flags(p, "python -m advanced.adv10_pd_disaggregation.node --role decode --engines 2")
     return p.parse_args()
 
 
@@ -72,9 +77,10 @@ def workload(tok, args) -> tuple[list[PDRequest], list[bool]]:
 
 def play(folder, mode: str, dtype, config, threads: int, reqs, args, transport: str = "store"):
     n, m = (args.prefill, args.decode) if mode == "disaggregated" else (1, 1)
+    launch = args.launch if mode == "disaggregated" else None
     with PDCluster(folder, mode, dtype, config, threads, args.transfer_timeout,
                    args.fault if mode == "disaggregated" else "", transport=transport, num_prefill=n,
-                   num_decode=m) as c:
+                   num_decode=m, launch=launch, remote=args.remote) as c:
         recs = c.run(reqs, timeout_s=600)
         return recs, c.stats(), c.timelines()
 
@@ -117,13 +123,18 @@ def main() -> None:
         raise SystemExit(f"--transports {args.transports!r}: a comma-separated list of store, gloo")
     if "gloo" in transports and (args.prefill, args.decode) != (1, 1):
         raise SystemExit("--prefill/--decode other than 1:1 need --transports store (gloo joins two processes)")
-    per_engine = max(1, cores // (args.prefill + args.decode))
+    args.launch = launch_from_args(args)
+    if args.launch.multi_node and transports != ["gloo"]:
+        raise SystemExit("--nnodes 2 needs --transports gloo: the store's files in /dev/shm cannot cross machines")
+    # Across machines each engine has a machine of its own; on one, they share its cores.
+    per_engine = cores if args.launch.multi_node else max(1, cores // (args.prefill + args.decode))
     # The colocated engine twice: with every core (the same cores as the split in all), and with
     # one engine's share of the split (the same threads per engine: prefill interference alone).
     col_threads = sorted({cores, per_engine}, reverse=True)
     print(f"colocated: 1 engine process with {' and then '.join(map(str, col_threads))} thread(s)   disaggregated: "
           f"{args.prefill} prefill + {args.decode} decode process(es), {per_engine} thread(s) each, KV through "
-          f"{' / '.join(transports)}\n")
+          f"{' / '.join(transports)}" + (f", the {args.remote} engine on node 1 of 2 (node.py; its thread count is "
+                                         f"its own)" if args.launch.multi_node else "") + "\n")
     if warning := busy_warning():
         print(warning)
     runs = {f"colocated {t}t": play(folder, "colocated", dtype, config, t, reqs, args) for t in col_threads}
@@ -196,7 +207,9 @@ def transfer_report(name: str, dis: list[PDRecord], stats: dict, col: list[PDRec
             b = [r.transfer["bytes"] for r, lg in zip(dis, is_long) if lg == want and r.transfer]
             if b:
                 print(f"  {label:20}" + "".join(f"{link_ms(np.mean(b), num_layers, g):9.2f} ms" for g in LINKS_GBIT))
-    fallbacks = [r for r in dis if r.fallback]
+    retried, fallbacks = [r for r in dis if r.retry], [r for r in dis if r.fallback]
+    print(f"  retries (a failed transfer asked for again, once): {len(retried)}"
+          + "".join(f"\n    request {r.rid}: {r.retry}" for r in retried))
     print(f"  fallbacks (prompt recomputed on the decode engine): {len(fallbacks)}"
           + "".join(f"\n    request {r.rid}: {r.fallback}" for r in fallbacks))
 
