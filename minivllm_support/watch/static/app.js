@@ -37,16 +37,6 @@ function drawRequests(ev) {
       `<td><span class="phase ${r.phase}">${phase}</span>${r.finish ? " " + r.finish : ""}</td>` +
       `<td>${r.prompt}</td><td>${r.output}</td><td>${r.computed}</td><td>${r.blocks}</td>` +
       `<td>${r.preemptions || ""}</td><td>${ttft}</td>`;
-    const before = state.seen.get(r.id);
-    if (before !== undefined && r.preemptions > before) {
-      state.preemptions += r.preemptions - before;
-      log(`step ${ev.step}: request ${r.id} preempted (its KV blocks freed; it recomputes later)`, "preempt");
-    }
-    if (r.queue === "finished" && !state.finished.has(r.id)) {
-      state.finished.add(r.id);
-      log(`step ${ev.step}: request ${r.id} finished (${r.finish}), ${r.output} tokens, TTFT ${ttft} ms`);
-    }
-    state.seen.set(r.id, r.preemptions);
   });
 }
 
@@ -56,7 +46,6 @@ function drawKv(ev) {
   while (grid.children.length > kv.num_blocks) grid.lastChild.remove();
   while (grid.children.length < kv.num_blocks) grid.appendChild(document.createElement("i"));
   const names = { u: "used", c: "cached", f: "free", s: "scratch" };
-  let maxRef = 0;
   for (let b = 0; b < kv.num_blocks; b++) {
     const cell = grid.children[b], s = kv.state[b], ref = kv.ref[b], owner = kv.owner[b];
     const cls = "cell " + names[s] + (ref > 1 ? " shared" : "");
@@ -66,13 +55,8 @@ function drawKv(ev) {
     const label = ref > 1 ? String(ref) : "";
     if (cell.textContent !== label) cell.textContent = label;
     cell.title = `block ${b}: ${names[s]}` + (owner >= 0 ? `, request ${owner}` : "") + `, ref ${ref}`;
-    maxRef = Math.max(maxRef, ref);
   }
   grid.classList.toggle("big", kv.num_blocks <= 256);
-  if (maxRef > state.maxRef) {
-    state.maxRef = maxRef;
-    if (maxRef > 1) log(`step ${ev.step}: a block is shared by ${maxRef} requests (prefix cache)`, "share");
-  }
   $("max-ref").textContent = state.maxRef;
   $("kv-counts").innerHTML = `<span id="kv-used">${kv.used}</span> used, <span id="kv-cached">${kv.cached}</span>` +
     ` cached, <span id="kv-free">${kv.free}</span> free, <span id="kv-scratch">${kv.scratch}</span> scratch` +
@@ -173,17 +157,32 @@ function drawCharts() {
   hx.fillText(`last ${span} s: max ${tMax} tokens/s; KV line: 0-100 %`, 4, 10);
 }
 
-function onEvent(ev) {
+// Every event is noted (bars, totals, the log); the page is drawn at most every DRAW_MS, from
+// the newest event, so a fast engine (a step every few ms) cannot swamp the browser.
+const DRAW_MS = 80;
+
+function note(ev) {
   state.events++;
-  $("engine").textContent = ev.engine;
-  $("step").textContent = ev.step;
-  $("total-finished").textContent = ev.totals.finished;
-  $("total-preemptions").textContent = ev.totals.preemptions;
-  const q = ev.totals.prefix_queries;
-  $("hit-rate").textContent = q ? `${(100 * ev.totals.prefix_hits / q).toFixed(1)} % of ${q} tokens` : "-";
-  drawRequests(ev);
-  drawKv(ev);
-  drawTree(ev);
+  for (const r of ev.requests) {
+    const before = state.seen.get(r.id);
+    if (before !== undefined && r.preemptions > before) {
+      state.preemptions += r.preemptions - before;
+      log(`step ${ev.step}: request ${r.id} preempted (its KV blocks freed; it recomputes later)`, "preempt");
+    }
+    if (r.queue === "finished" && !state.finished.has(r.id)) {
+      state.finished.add(r.id);
+      const ttft = r.ttft_ms === null ? "-" : r.ttft_ms.toFixed(1);
+      log(`step ${ev.step}: request ${r.id} finished (${r.finish}), ${r.output} tokens, TTFT ${ttft} ms`);
+    }
+    state.seen.set(r.id, r.preemptions);
+  }
+  if (ev.kv) {
+    const maxRef = ev.kv.ref.reduce((a, b) => Math.max(a, b), 0);
+    if (maxRef > state.maxRef) {
+      state.maxRef = maxRef;
+      if (maxRef > 1) log(`step ${ev.step}: a block is shared by ${maxRef} requests (prefix cache)`, "share");
+    }
+  }
   if (ev.batch) {
     state.steps.push({ prefill: ev.batch.prefill_tokens, decode: ev.batch.decode_tokens,
                        ms: ev.step_ms || 0, size: ev.batch.size });
@@ -200,7 +199,25 @@ function onEvent(ev) {
   state.lastT = ev.t;
   if (state.firstT === undefined) state.firstT = ev.t;
   for (const k of state.seconds.keys()) if (k < ev.t - HISTORY_S) state.seconds.delete(k);
+}
+
+function render(ev) {
+  $("engine").textContent = ev.engine;
+  $("step").textContent = ev.step;
+  $("total-finished").textContent = ev.totals.finished;
+  $("total-preemptions").textContent = ev.totals.preemptions;
+  const q = ev.totals.prefix_queries;
+  $("hit-rate").textContent = q ? `${(100 * ev.totals.prefix_hits / q).toFixed(1)} % of ${q} tokens` : "-";
+  drawRequests(ev);
+  drawKv(ev);
+  drawTree(ev);
   drawCharts();
+}
+
+function onEvent(ev) {
+  note(ev);
+  state.latest = ev;
+  if (!state.timer) state.timer = setTimeout(() => { state.timer = null; render(state.latest); }, DRAW_MS);
 }
 
 function connect() {
