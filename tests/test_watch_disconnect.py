@@ -21,6 +21,8 @@ from step20_http_serve.dashboard import mount_dashboard
 from step20_http_serve.server import ServerThread
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")     # tiny steps: one thread is fastest beside others
+
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3_dir):
     model = load_model(tiny_qwen3_dir, torch.float32)

@@ -17,6 +17,7 @@ from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step13_prefix_cache.engine import PrefixCachingEngine
 from step16_cuda_graph.engine import build_engine
 
+pytestmark = pytest.mark.usefixtures("one_thread")     # tiny steps: one thread is fastest beside others
 PREFIX = list(range(10, 42))                                # two full 16-token blocks
 
 
