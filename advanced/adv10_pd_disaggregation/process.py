@@ -1,4 +1,5 @@
-"""An engine process: the prefill engine, the decode engine, or the colocated one, behind a pipe.
+"""An engine process: the prefill engine, the decode engine, or the colocated one, behind a pipe
+(or, across machines, lesson 17's control socket: remote.py).
 
     launcher --pipe--> engine: ("add", rid, prompt_ids, params, remote) | ("started", rid) |
                                ("prefilled", rid) | ("lost", rid, reason) | ("stats",) |
