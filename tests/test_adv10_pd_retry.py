@@ -4,6 +4,8 @@ falls back after its retry; both are counted, and every pool is full at the end 
 The shared helpers and the colocated reference are the first file's."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -55,6 +57,39 @@ def test_a_lost_layer_is_asked_for_again_once_then_recomputed(tiny_qwen3_dir, tm
     assert [s.output_token_ids for s in seqs] == colocated_tokens
     assert dec.prompt_tokens == len(prompts) - 1 + LENGTHS[2]        # only request 2 recomputed its prompt
     assert _full(pre) and _full(dec) and store.keys() == []
+
+
+def test_a_damaged_or_late_layer_is_retried_and_lands(tiny_qwen3_dir, tmp_path, colocated_tokens):
+    """The retry's other two causes: a damaged file (its folder is removed before the second
+    send) and a layer late past the timeout; both land the second time, no fallback."""
+    model = load_model(tiny_qwen3_dir, torch.float32)
+    last, store, asked = model.config.num_layers - 1, KVStore(tmp_path), []
+    pre = build_pd_engine(model, "prefill", lambda pool, n: StoreConnectorWorker(
+        store, pool, n, 0.2, drop_once={(0, last)}), CONFIG)
+    dec = build_pd_engine(model, "decode", lambda pool, n: StoreConnectorWorker(store, pool, n, 0.2), CONFIG,
+                          on_retry=asked.append)
+    prompts = _prompts()
+    _prefill_all(pre, prompts)
+    store.layer_path(prompt_key(prompts[2], 2), 0).write_bytes(b"\0" * 100)
+    seqs = [dec.add_consumer(rid, p, _params(), prompt_key(p, rid)) for rid, p in enumerate(prompts)]
+    dec.advance_transfers()
+    dec.worker.arm(0)                                                # started, then silent
+    deadline = time.monotonic() + 30                                 # bounded: a missing retry fails, never hangs
+    while len(asked) < 2 and time.monotonic() < deadline:
+        dec.step()
+    assert sorted(r.req_id for r in asked) == [0, 2]
+    reasons = {r.req_id: r.reason for r in asked}
+    assert "within 0.2 s" in reasons[0] and "unreadable" in reasons[2]
+    for r in asked:
+        pre.add_prefill(r.req_id, prompts[r.req_id], prompt_key(prompts[r.req_id], r.req_id))
+    while pre.has_unfinished():
+        pre.step()
+    for r in asked:
+        dec.worker.producer_done(r.req_id)
+    while dec.has_unfinished():
+        dec.step()
+    assert dec.fallbacks == [] and [s.output_token_ids for s in seqs] == colocated_tokens
+    assert dec.prompt_tokens == len(prompts) and _full(pre) and _full(dec) and store.keys() == []
 
 
 @pytest.mark.slow
