@@ -22,7 +22,7 @@ from step16_cuda_graph.cpu.engine import build_engine
 from step17_tensor_parallel.workers import WorkerFailed
 from advanced.adv11_afd.costmodel import LayerCost, StepShape, layer_times, measured_loops, step_shapes
 from advanced.adv11_afd.engine import AFDEngine
-from advanced.adv11_afd.owned_cache import OwnedPrefixCache
+from advanced.adv11_afd.owned_cache import OwnedPrefixBlockManager
 from advanced.adv11_afd.runner import split_by_owner
 
 
@@ -123,7 +123,7 @@ def test_each_attention_rank_has_its_own_prefix_cache():
     """One block-id space, one cache per rank: a prefix cached by one rank's sequence serves a later
     sequence of that rank, never one of the other rank (whose pool holds nothing at those ids);
     eviction removes a hash from the map of the rank that cached it."""
-    bm = OwnedPrefixCache(num_blocks=6, block_size=4, n_attention=2)
+    bm = OwnedPrefixBlockManager(num_blocks=6, block_size=4, n_attention=2)
     prompt = list(range(10, 23))                                            # 13 tokens: 3 full blocks
 
     def run(seq: Sequence) -> None:                                         # admit, compute, cache, finish

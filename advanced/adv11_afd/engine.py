@@ -43,7 +43,7 @@ from step17_tensor_parallel.worker import model_bytes
 from step17_tensor_parallel.workers import WorkerFailed, WorkerSet
 from advanced.adv06_pipeline_parallel import p2p
 from advanced.adv11_afd.ffn_worker import STARTUP_TIMEOUT_S, FFNSpec, ffn_worker_main, run_flags
-from advanced.adv11_afd.owned_cache import OwnedPrefixCache
+from advanced.adv11_afd.owned_cache import OwnedPrefixBlockManager
 from advanced.adv11_afd.peer import PeerSpec, peer_main
 from advanced.adv11_afd.runner import AFDRunner
 from advanced.adv11_afd.split import load_attention_side
@@ -116,7 +116,7 @@ class AFDEngine(Engine):
                            num_attention)
         # N:1: one block manager names blocks in every attention rank's pool, so a prefix cached by
         # one rank's sequence can serve only that rank's: one prefix cache per rank (owned_cache.py).
-        parts = {} if num_attention == 1 else {"block_manager_class": partial(OwnedPrefixCache, n_attention=num_attention)}
+        parts = {} if num_attention == 1 else {"block_manager_class": partial(OwnedPrefixBlockManager, n_attention=num_attention)}
         super().__init__(model0, create_scheduler(config, pool.num_blocks, **parts), pool, attention, runner,
                          KernelSampler())
 

@@ -18,7 +18,7 @@ from step13_prefix_cache.block_manager import PrefixCachingBlockManager
 from advanced.adv11_afd.microbatch import owner
 
 
-class OwnedPrefixCache(PrefixCachingBlockManager):
+class OwnedPrefixBlockManager(PrefixCachingBlockManager):
     def __init__(self, num_blocks: int, block_size: int, n_attention: int = 2):
         super().__init__(num_blocks, block_size)
         self.caches: list[dict[int, int]] = [self.cached] + [{} for _ in range(n_attention - 1)]

@@ -18,10 +18,7 @@ no 2 MB page free) the pool is the ordinary one: only speed differs, never a val
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
-from functools import lru_cache
+import mmap
 
 import torch
 
@@ -29,33 +26,26 @@ from step04_transformer.config import ModelConfig
 from step14_batched_forward.kv_pool import HeadMajorKVPool
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14          # linux/mman.h
-
-
-@lru_cache(maxsize=None)
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fn = libc.madvise
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory was advised onto 2 MB pages before its first write
-    (on a 2 MB boundary, so whole huge pages cover it). Plain torch.zeros where that fails."""
+    """A zeroed CPU tensor on memory advised onto 2 MB pages before its first write. The memory
+    is a fresh private anonymous mapping of its own (malloc may hand back heap pages that were
+    written already, which no advice turns into huge pages), trimmed to start on a 2 MB
+    boundary so that whole huge pages cover it. Plain torch.zeros where that is not possible."""
     numel = 1
     for n in shape:
         numel *= n
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    madvise = _madvise()
-    if madvise is None or nbytes < HUGE_PAGE:
+    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)       # untouched: mmap'd, not yet backed
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)            # keeps the mapping alive
     start = (-raw.data_ptr()) % HUGE_PAGE
-    if madvise(raw.data_ptr() + start, nbytes - nbytes % HUGE_PAGE, MADV_HUGEPAGE) != 0:
-        return torch.zeros(shape, dtype=dtype)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % HUGE_PAGE)
+    except OSError:
+        pass                                                       # refused: 4 KB pages, same values
     return raw[start:start + nbytes].view(dtype).view(shape).zero_()
 
 
