@@ -48,7 +48,11 @@ void decode_item_fused_bf16(const uint16_t* qh, const uint16_t* kp, const uint16
     const int64_t in_block = std::min(bs, len - start), piece = (table[j] * hkv + h) * bs * D;
     const int64_t next = start + bs < len ? (table[j + 1] * hkv + h) * bs * D : -1;
     const uint16_t *kb = kp + piece, *vb = vp + piece;
-    if (next >= 0) prefetch_l2(kp + next, bs * D), prefetch_l2(vp + next, bs * D);
+    // Prefetch two blocks ahead, one K row and one V row per key as the keys go by, so the
+    // requests leave at the pace the keys are used (all of a block's 128 lines asked for at
+    // once fill the core's miss queue and stall it); block 1 is asked for whole at the start.
+    const int64_t ahead = start + 2 * bs < len ? (table[j + 2] * hkv + h) * bs * D : -1;
+    if (j == 0 && next >= 0) prefetch_l2(kp + next, bs * D), prefetch_l2(vp + next, bs * D);
     for (int64_t c = 0; c < in_block; c += kChunk) {
       const int64_t cnt = std::min(kChunk, in_block - c);
       const bool last = c + kChunk >= in_block;  // the next keys are in the next block, or none
@@ -71,6 +75,7 @@ void decode_item_fused_bf16(const uint16_t* qh, const uint16_t* kp, const uint16
       }
       const uint16_t* vc = vb + c * D;
       for (int64_t t = 0; t < cnt; ++t) {
+        if (ahead >= 0) prefetch_l2(kp + ahead + (c + t) * D, D), prefetch_l2(vp + ahead + (c + t) * D, D);
         __m512 p[G];
         for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(s[g * kChunk + t]);
         for (int i = 0; i < NV2; ++i) {
