@@ -19,6 +19,7 @@ at once.
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,22 @@ from step17_tensor_parallel.metadata import StepMetadata
 from step17_tensor_parallel.parallel import CollectiveError
 
 TIMELINE_REQUEST = b"timeline"      # rank 0 asks a worker for its spans (it answers over the control socket)
+
+
+def control_messages(conn, timeline):
+    """A worker's side of the control channel: yields (when it began waiting, in ns; the
+    message's bytes) for every step message, answers a timeline request on the way, and
+    returns when rank 0 sends the empty message that closes the engine."""
+    while True:
+        t0 = time.perf_counter_ns()
+        data = conn.recv_bytes()
+        if not data:
+            return
+        if data == TIMELINE_REQUEST:
+            conn.send(("timeline", timeline.to_dict()))
+            timeline.clear()
+            continue
+        yield t0, data
 
 
 @dataclass

@@ -142,15 +142,7 @@ def run_stage(spec: StageSpec, conn: Connection, model, pool, backend) -> None:
     tl = Timeline(spec.rank, stage_label(stage, spec.tp_rank if spec.tp > 1 else None))
     sends: deque = deque()            # (work, tensor): a tensor must outlive its send
     fault, count = _fault(spec), 0
-    while True:
-        t0 = time.perf_counter_ns()
-        data = conn.recv_bytes()
-        if not data:
-            break                                       # rank 0 is closing the engine
-        if data == p2p.TIMELINE_REQUEST:
-            conn.send(("timeline", tl.to_dict()))
-            tl.clear()
-            continue
+    for t0, data in p2p.control_messages(conn, tl):    # until rank 0 closes the engine
         head, meta = p2p.unpack_step(data)
         tl.add("wait for rank 0", "wait", t0, time.perf_counter_ns(), step=head.step)
         count += 1

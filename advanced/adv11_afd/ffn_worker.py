@@ -108,15 +108,7 @@ def serve(spec: FFNSpec, conn: Connection, model: FFNSide) -> None:
     hidden, tl = model.config.hidden_size, Timeline(spec.rank, f"FFN side (rank {spec.rank})")
     sends: deque = deque()            # (work, tensor): a tensor must outlive its send
     fault, count = _fault(spec), 0
-    while True:
-        t0 = time.perf_counter_ns()
-        data = conn.recv_bytes()
-        if not data:
-            break                                       # rank 0 is closing the engine
-        if data == p2p.TIMELINE_REQUEST:
-            conn.send(("timeline", tl.to_dict()))
-            tl.clear()
-            continue
+    for t0, data in p2p.control_messages(conn, tl):    # until rank 0 closes the engine
         plan = StepPlan.from_bytes(data)
         tl.add("wait for rank 0", "wait", t0, time.perf_counter_ns(), step=plan.step)
         count += 1

@@ -74,14 +74,7 @@ def peer_main(spec: PeerSpec) -> None:
         answer_offset(conn)
         tl = Timeline(spec.rank, f"attention side (rank {spec.rank})")
         runner = AFDRunner(model, pool, backend, [], spec.n_ffn, spec.timeout_s, tl)
-        while True:
-            data = conn.recv_bytes()
-            if not data:
-                break                                   # rank 0 is closing the engine
-            if data == p2p.TIMELINE_REQUEST:
-                conn.send(("timeline", tl.to_dict()))
-                tl.clear()
-                continue
+        for _, data in p2p.control_messages(conn, tl):  # until rank 0 closes the engine
             work: PeerStep = pickle.loads(data)
             mbs = split_batch(work.batch(), work.m)     # the cut rank 0 announced to the FFN side
             out = runner.layers(mbs, torch.tensor(work.input_ids), torch.tensor(work.positions), work.step)
