@@ -33,8 +33,11 @@ def test_zeros_of_any_size_are_zeros_of_that_shape(dtype):
 def test_a_large_pool_lands_on_huge_pages():
     before = huge_page_bytes()
     t = huge_page_zeros((16 * HUGE_PAGE // 2,), torch.bfloat16)           # 16 huge pages' worth
-    assert t.data_ptr() % HUGE_PAGE == 0
-    assert huge_page_bytes() - before >= 8 * HUGE_PAGE                    # the kernel may keep a few back
+    assert t.data_ptr() % HUGE_PAGE == 0 and not t.any()
+    granted = huge_page_bytes() - before
+    if granted == 0:                     # THP on, but no free 2 MB page in the machine's memory now
+        pytest.skip("the kernel granted no 2 MB page (memory too fragmented): nothing to check")
+    assert granted >= 8 * HUGE_PAGE                                       # the kernel may keep a few back
     del t
 
 
