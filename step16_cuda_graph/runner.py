@@ -144,6 +144,10 @@ class GraphRunner(ModelRunner):
                 return out[:len(batch.seqs)]
             return self.decode(b)[:len(batch.seqs)]
 
+    def replays_step(self, batch: ScheduledBatch) -> bool:
+        """A decode step of a bucket: prepare() fills the static buffers, no step attention needed."""
+        return self.bucket_for(batch) is not None
+
     def bucket_for(self, batch: ScheduledBatch) -> int | None:
         """The bucket of a decode-only step, or None: it runs eagerly."""
         B = len(batch.seqs)

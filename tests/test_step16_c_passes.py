@@ -155,9 +155,9 @@ def test_small_steps_take_their_logits_from_the_gemv_too(tiny_qwen3_dir):
     assert runner.head_plain.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert build_engine(model, config, record_now=False, small_rows=False).runner.head_plain is None
     calls = []
-    real = ops.kernels_library().gemv_bf16
+    real = ops.kernels_library().gemv_bf16_f32        # into the float32 logits buffer, no copy
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ops.kernels_library(), "gemv_bf16", lambda *a: (calls.append(a[1]), real(*a))[1])
+        mp.setattr(ops.kernels_library(), "gemv_bf16_f32", lambda *a: (calls.append(a[1]), real(*a))[1])
         for rows in (1, 4, 6):
             h = torch.randn(rows, model.config.hidden_size).bfloat16()
             got = runner.compute_logits(h)

@@ -222,8 +222,20 @@ void write_kv(const char* k, const char* v, int64_t k_token, int64_t k_head, int
 
 namespace {
 
-template <int M>
-void gemv_rows(const bf16* x, int64_t K, const bf16* w, int64_t n0, int64_t n1, bf16* y, int64_t N) {
+// Out: bf16, or float for logits (the sum rounded to bf16 first, then widened: the same
+// numbers as a bf16 output copied into a float32 buffer, without that copy).
+inline void store_out(bf16* y, float v) {
+  const __m128bh r = _mm_cvtneps_pbh(_mm_set_ss(v));
+  *y = static_cast<bf16>(_mm_extract_epi16((__m128i)r, 0));
+}
+inline void store_out(float* y, float v) {
+  const __m128bh r = _mm_cvtneps_pbh(_mm_set_ss(v));
+  const uint32_t bits = uint32_t(uint16_t(_mm_extract_epi16((__m128i)r, 0))) << 16;
+  std::memcpy(y, &bits, sizeof bits);
+}
+
+template <int M, typename Out>
+void gemv_rows(const bf16* x, int64_t K, const bf16* w, int64_t n0, int64_t n1, Out* y, int64_t N) {
   for (int64_t n = n0; n < n1; ++n) {
     const bf16* wr = w + n * K;
     __m512 acc[M][4];
@@ -244,17 +256,13 @@ void gemv_rows(const bf16* x, int64_t K, const bf16* w, int64_t n0, int64_t n1, 
     }
     for (int m = 0; m < M; ++m) {
       const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-      const __m128bh r = _mm_cvtneps_pbh(_mm_set_ss(_mm512_reduce_add_ps(sum)));
-      y[m * N + n] = static_cast<bf16>(_mm_extract_epi16((__m128i)r, 0));
+      store_out(y + m * N + n, _mm512_reduce_add_ps(sum));
     }
   }
 }
 
-}  // namespace
-
-extern "C" int64_t gemv_max_rows() { return 4; }
-
-extern "C" void gemv_bf16(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, bf16* y) {
+template <typename Out>
+void gemv_parallel(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, Out* y) {
 #pragma omp parallel
   {
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -266,6 +274,19 @@ extern "C" void gemv_bf16(const bf16* x, int64_t M, int64_t K, const bf16* w, in
       default: gemv_rows<4>(x, K, w, n0, n1, y, N); break;
     }
   }
+}
+
+}  // namespace
+
+extern "C" int64_t gemv_max_rows() { return 4; }
+
+extern "C" void gemv_bf16(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, bf16* y) {
+  gemv_parallel(x, M, K, w, N, y);
+}
+
+// The LM head's logits straight into the sampler's float32 buffer y [M, N].
+extern "C" void gemv_bf16_f32(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, float* y) {
+  gemv_parallel(x, M, K, w, N, y);
 }
 #endif
 

@@ -107,12 +107,19 @@ def gemv_max_rows() -> int:
     return lib.gemv_rows if lib is not None else 0
 
 
-def gemv(x: Tensor, weight: Tensor) -> Tensor:
-    """x [M, K] @ weight [N, K]^T in bf16 for M <= gemv_max_rows(), K % 32 == 0 (gemv_bf16)."""
+def gemv(x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """x [M, K] @ weight [N, K]^T in bf16 for M <= gemv_max_rows(), K % 32 == 0 (gemv_bf16).
+    out: a contiguous float32 [M, N] to write into instead (the bf16 results, widened)."""
     x = x.contiguous()
-    y = x.new_empty(x.shape[0], weight.shape[0])
-    kernels_library().gemv_bf16(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], y.data_ptr())
-    return y
+    lib, (M, K), N = kernels_library(), x.shape, weight.shape[0]
+    if out is None:
+        y = x.new_empty(M, N)
+        lib.gemv_bf16(x.data_ptr(), M, K, weight.data_ptr(), N, y.data_ptr())
+        return y
+    if out.dtype != torch.float32 or out.shape != (M, N) or not out.is_contiguous():
+        raise ValueError(f"gemv out: a contiguous float32 [{M}, {N}], got {out.dtype} {tuple(out.shape)}")
+    lib.gemv_bf16_f32(x.data_ptr(), M, K, weight.data_ptr(), N, out.data_ptr())
+    return out
 
 
 class OpPackedLinear(PackedLinear):
@@ -161,7 +168,8 @@ def kernels_library() -> ctypes.CDLL | None:
     bind(lib, "write_kv", [ptr, ptr] + [i64] * 5 + [ptr, ptr, ptr, i64, i64])
     bind(lib, "row_argmax_f32", [ptr, i64, i64, i64, ptr])
     lib.gemv_rows = 0                                 # gemv_bf16: its AVX-512 BF16 build only
-    if bind(lib, "gemv_max_rows", [], i64) and bind(lib, "gemv_bf16", [ptr, i64, i64, ptr, i64, ptr]):
+    if (bind(lib, "gemv_max_rows", [], i64) and bind(lib, "gemv_bf16", [ptr, i64, i64, ptr, i64, ptr])
+            and bind(lib, "gemv_bf16_f32", [ptr, i64, i64, ptr, i64, ptr])):
         lib.gemv_rows = int(lib.gemv_max_rows())
     lib.has_elementwise = (bind(lib, "elementwise_available", [], i64) and bool(lib.elementwise_available())
                            and bind(lib, "qk_norm_rope_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,

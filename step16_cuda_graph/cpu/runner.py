@@ -159,15 +159,14 @@ class CpuGraphRunner(GraphRunner):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         if self.lm_head is None:
             return super().compute_logits(hidden)
-        if self.head_plain is not None and hidden.shape[0] <= gemv_max_rows():
-            logits = gemv(hidden, self.head_plain)      # the same bf16 logits, streamed in order
-        else:
-            logits = self.lm_head(hidden)
-        n, vocab = logits.shape
+        n, vocab = hidden.shape[0], self.lm_head.out_features
         if self._logits is None or self._logits.shape[0] < n:
             self._logits = torch.empty(max(n, self.buckets[-1]), vocab)
         # A view into the buffer: valid until the next compute_logits (callers use it in the step).
-        return self._logits[:n].copy_(logits)
+        if self.head_plain is not None and n <= gemv_max_rows():
+            # The same bf16 logits, streamed in order, written widened into the buffer (no copy).
+            return gemv(hidden, self.head_plain, out=self._logits[:n])
+        return self._logits[:n].copy_(self.lm_head(hidden))
 
     def decode(self, b: int) -> Tensor:
         step = self.one_call_steps.get(b)
