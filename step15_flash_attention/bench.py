@@ -1,8 +1,9 @@
 """Lesson 15 against lesson 14 on the Qwen3-0.6B shape (random weights, bf16), three measurements.
 
-    python step15_flash_attention/bench.py kernel      # a core's float32 / bf16 ceilings; then one layer's
-                                                        # attention, one causal 8k sequence: our C++
-                                                        # kernel vs torch's CPU flash SDPA
+    python step15_flash_attention/bench.py kernel      # a core's float32 / bf16 ceilings; one layer's prompt
+                                                        # attention with each tile path (bf16); then one
+                                                        # causal 8k sequence: our C++ kernel vs torch's
+                                                        # CPU flash SDPA
     python step15_flash_attention/bench.py prefill     # one long prompt (2k, 8k, 16k; --lengths, --long
                                                         # adds 32k) chunked at 512 tokens a step:
                                                         # wall time, prefill tok/s, peak memory
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -55,17 +57,6 @@ def peak_rss() -> int:
     return _status_kib("VmHWM") * 1024
 
 
-def core_peaks() -> tuple[float, float]:
-    """GFLOP/s of one core: float32 FMAs and bf16 dot products (-1: no AVX512-BF16), from peak.cpp."""
-    import ctypes
-    from pathlib import Path
-    from step14_batched_forward import kernel
-    lib = kernel.build_library(Path(__file__).with_name("peak.cpp"), (Path(kernel.__file__).parent,))   # + isa.h
-    for name in ("peak_fp32_fma_gflops", "peak_bf16_dot_gflops"):
-        getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_double, [ctypes.c_int64]
-    return lib.peak_fp32_fma_gflops(20_000_000), lib.peak_bf16_dot_gflops(20_000_000)
-
-
 def linear_rates(rows: int = 512) -> None:
     """The same gap in torch: a 1024 -> 3072 linear over `rows` tokens, float32 vs bf16."""
     from step14_batched_forward.packed_linear import PackedLinear, can_pack
@@ -83,6 +74,44 @@ def linear_rates(rows: int = 512) -> None:
             fn()
         secs = (time.perf_counter() - t0) / 10
         print(f"  {name:32s} {secs * 1e3:6.2f} ms  {2 * rows * 1024 * 3072 / secs / 1e9:6.1f} GFLOP/s")
+
+
+def tile_paths(rounds: int, threads: int) -> None:
+    """One layer's prompt attention (bf16, 16 q / 8 KV heads, D 128, block 16) with each way of
+    doing the tile products (MINIVLLM_PREFILL_TILES), alternating in one process: medians."""
+    from step15_flash_attention import flash_cpu
+    if not flash_cpu.load().flash_prefill_bf16_built():
+        print("prompt tiles: float32 FMAs only (this build has no AVX512-BF16)")
+        return
+    saved = os.environ.pop(flash_cpu.TILES_VAR, None)
+    print(f"one layer's prompt attention by tile path, bf16, {threads} threads, median of {rounds} "
+          f"alternating rounds ({flash_cpu.TILES_VAR}=auto picks {flash_cpu.prefill_tiles()} here):")
+    paths = {"f32": "float32 FMAs", "bf16-scores": "bf16 dot products for S only", "bf16": "bf16 dot products"}
+    g = torch.Generator().manual_seed(0)
+    for chunk, context in ((512, 512), (512, 2048), (4096, 4096)):   # a first chunk, a later chunk, a long prompt
+        nb = context // 16
+        k_pool, v_pool = (torch.randn(nb, 8, 16, 128, generator=g).bfloat16() for _ in range(2))
+        q = torch.randn(chunk, 16, 128, generator=g).bfloat16()
+        tables = torch.randperm(nb, generator=g)[None]                  # scattered blocks
+        case = (q, k_pool, v_pool, torch.tensor([0, chunk]), torch.tensor([context]), tables)
+        flops = 4 * 16 * 128 * chunk * (context - chunk / 2)        # QK^T and PV, causal
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        outs = {}
+        for _ in range(rounds + 1):                                 # the first round warms up
+            for p in paths:
+                os.environ[flash_cpu.TILES_VAR] = p
+                t0 = time.perf_counter()
+                outs[p] = flash_cpu.flash_attention_cpu(*case)
+                times[p].append(time.perf_counter() - t0)
+        for p, label in paths.items():
+            secs = statistics.median(times[p][1:])
+            diff = (outs[p].float() - outs["f32"].float()).abs().max().item()
+            print(f"  {chunk:4d} queries, {context:4d} keys  {label:30s} {secs * 1e3:8.1f} ms  "
+                  f"{flops / secs / 1e9:6.1f} GFLOP/s  max |difference| to float32 FMAs {diff:.4f}")
+    if saved is None:
+        os.environ.pop(flash_cpu.TILES_VAR)
+    else:
+        os.environ[flash_cpu.TILES_VAR] = saved
 
 
 def kernel_vs_sdpa(length: int, reps: int, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -124,7 +153,8 @@ def kernel_vs_sdpa(length: int, reps: int, dtype: torch.dtype = torch.bfloat16) 
         c, oc = results["ours on AMX tiles (amx_prefill.cpp)"]
         print(f"AMX tiles / ours time: {c / a:.2f}, max |difference| {(oc.float() - oa.float()).abs().max().item():.4f}")
     elif dtype == torch.bfloat16:
-        print("AMX tiles: not on this CPU (amx_prefill.cpp needs AMX; lesson 16's fast path uses SDPA instead)")
+        print("AMX tiles: not on this CPU (amx_prefill.cpp needs AMX; lesson 16's fast path keeps prompt rows "
+              "on this kernel)")
 
 
 def one_prefill(engine_name: str, length: int, budget: int) -> dict:
@@ -257,12 +287,14 @@ def main() -> None:
         return
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
     if args.what == "kernel":
+        from step15_flash_attention.flash_cpu import core_peaks
         fma, dot = core_peaks()
         print(f"one core's ceiling: float32 FMA {fma:.0f} GFLOP/s, bf16 dot product (vdpbf16ps) "
               + (f"{dot:.0f} GFLOP/s" if dot > 0 else "not available") + f"; {torch.get_num_threads()} threads")
-        print(f"a 1024 -> 3072 linear over 512 tokens:")
+        print("a 1024 -> 3072 linear over 512 tokens:")
         linear_rates()
         print()
+        tile_paths(max(args.reps, 5), args.threads)
         for dtype in (torch.bfloat16, torch.float32):
             print(f"\none layer's attention, {dtype}:")
             kernel_vs_sdpa(args.kernel_length, args.reps, dtype)

@@ -1,15 +1,15 @@
-// One decode item (a sequence's single query row, for the `group` query heads of one KV head)
-// in bf16 with AVX512-BF16, with everything that lives across blocks kept in registers.
-// Included by flash_attention.cpp inside its namespace, after the per-block loops it reuses
-// (scores_block_bf16, reduce_add_4, fast_exp, prefetch_l2).
+// A decode item (a sequence's single query row, for the `group` query heads of one KV head)
+// in bf16 with AVX512-BF16: first its two per-block loops, then the fused item built on them,
+// with everything that lives across blocks kept in registers. Included by flash_attention.cpp
+// inside its namespace (it uses fast_exp, prefetch and prefetch_l2).
 //
 // Why a fused loop: a decode step reads every sequence's K and V once, 4 KB pieces scattered
 // over the pool, with little arithmetic per byte (2 heads x 128 dims per key). The per-block
-// loops of flash_attention.cpp spend, around each 16-key block, a pass of scalar softmax over
+// loops (with flash_attention.cpp's online_rescale between them) spend, around each 16-key block, a pass of scalar softmax over
 // the scores, a rescale of the accumulator in memory, and a load, shuffle and store of the
 // accumulator to split it into even and odd dimensions. Here the keys go by in chunks of 16:
 //
-//   scores  16 keys x G heads, as before (K rows loaded once for all heads)
+//   scores  16 keys x G heads, scores_block_bf16 (K rows loaded once for all heads)
 //   softmax one 16-lane register per head: max, exp, sum as vector ops (lanes past the block's
 //           end hold -inf, so they weigh 0)
 //   rescale the G x D accumulator, held in registers (even and odd dimensions apart), by
@@ -17,7 +17,132 @@
 //   P V     each V row widened once for all heads, added into the same registers
 //
 // and the accumulator leaves the registers once, at the end of the item.
+
+// ---------------------------------------------------------------------------------------
+// A decode's two per-block loops for bf16 with AVX512-BF16, for G heads of D = 32 * NV2:
+// each K row is loaded once for all G heads (the q rows sit in registers), and in P V the
+// G x D accumulators stay in registers over the block's keys while each V row is widened
+// once for all heads. decode_item's generic loops load K and widen V once per head, and load
+// and store the accumulator for every key; on a Xeon with AMX that made decode attention
+// compute-bound below the memory's rate (advanced lesson 04 measures it).
 #if defined(__AVX512BF16__)
+// Four keys' dot products summed across their 16 lanes at once: the same additions, in the
+// same order, as four _mm512_reduce_add_ps (halves of 256, then 128 bits, then pairs), but
+// each shuffle and add serves all four keys (10 instructions for four sums, not 4 x 8).
+inline __m128 reduce_add_4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  // 128-bit lane k now holds key k's eight half-sums folded to four: lo 128 + hi 128 of them.
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u, v, 0x88), _mm512_shuffle_f32x4(u, v, 0xDD));
+  const __m512 c = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));   // [b0+b2, b1+b3, ...] per lane
+  const __m512 d = _mm512_add_ps(c, _mm512_permute_ps(c, 0xB1));   // c0 + c1 in element 0 of each lane
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), d));
+}
+
+// Prefetch: a fixed 8 keys ahead of the scores loop, K and V, crossing into the next block
+// near this one's end. Asking for the whole next block a row per key (lesson 14's rule, kept
+// by the generic loops) puts the requests a block ahead and in 4 KB pieces; on the Xeon with
+// AMX the fixed distance read the pool faster (one-off test, block size 16).
+template <int G, int NV2>
+void scores_block_bf16(const uint16_t* qh, const uint16_t* kb, const uint16_t* vb, const uint16_t* k_next,
+                       const uint16_t* v_next, int64_t cnt, int64_t bs, float scale, float* s) {
+  constexpr int D = 32 * NV2;
+  constexpr int64_t kAhead = 8;  // rows: K and V are asked for 8 keys (2 x 2 KB at D = 128) ahead
+  __m512bh qv[G][NV2];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV2; ++i) qv[g][i] = (__m512bh)_mm512_loadu_si512(qh + g * D + i * 32);
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 4 <= cnt; t += 4) {
+    if (t + kAhead < cnt)
+      prefetch(kb + (t + kAhead) * D, 4 * D), prefetch(vb + (t + kAhead) * D, 4 * D);
+    else if (k_next)  // near the block's end, the next block's first rows
+      prefetch(k_next + (t + kAhead - cnt) * D, 4 * D), prefetch(v_next + (t + kAhead - cnt) * D, 4 * D);
+    __m512 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < 4; ++r) acc[g][r] = _mm512_setzero_ps();
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < NV2; ++i) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + (t + r) * D + i * 32);
+        for (int g = 0; g < G; ++g) acc[g][r] = _mm512_dpbf16_ps(acc[g][r], qv[g][i], kv);
+      }
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(s + g * bs + t, _mm_mul_ps(reduce_add_4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc));
+  }
+  for (; t < cnt; ++t) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int i = 0; i < NV2; ++i) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + t * D + i * 32);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], qv[g][i], kv);
+    }
+    for (int g = 0; g < G; ++g) s[g * bs + t] = _mm512_reduce_add_ps(acc[g]) * scale;
+  }
+}
+
+// P V with each 32-element V chunk widened by two instructions: as 16 dwords, a shift left by
+// 16 gives the even elements as float32, masking the low half gives the odd ones. The
+// accumulators are kept split the same way (even and odd dimensions) while the block's keys
+// go by, and put back in order once a block: every element sees the same FMAs in the same
+// order as before, only the widening is cheaper.
+template <int G, int NV2>
+void pv_block_bf16(const float* s, const uint16_t* vb, int64_t cnt, int64_t bs, float* acc) {
+  constexpr int D = 32 * NV2;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512i high_half = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  __m512 re[G][NV2], ro[G][NV2];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV2; ++i) {
+      const __m512 a = _mm512_loadu_ps(acc + g * D + i * 32), b = _mm512_loadu_ps(acc + g * D + i * 32 + 16);
+      re[g][i] = _mm512_permutex2var_ps(a, even, b);
+      ro[g][i] = _mm512_permutex2var_ps(a, odd, b);
+    }
+  for (int64_t t = 0; t < cnt; ++t) {
+    __m512 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(s[g * bs + t]);
+    for (int i = 0; i < NV2; ++i) {
+      const __m512i raw = _mm512_loadu_si512(vb + t * D + i * 32);
+      const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
+      for (int g = 0; g < G; ++g) {
+        re[g][i] = _mm512_fmadd_ps(p[g], ve, re[g][i]);
+        ro[g][i] = _mm512_fmadd_ps(p[g], vo, ro[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV2; ++i) {
+      _mm512_storeu_ps(acc + g * D + i * 32, _mm512_permutex2var_ps(re[g][i], lo, ro[g][i]));
+      _mm512_storeu_ps(acc + g * D + i * 32 + 16, _mm512_permutex2var_ps(re[g][i], hi, ro[g][i]));
+    }
+}
+
+struct DecodeBlockFns {
+  void (*scores)(const uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t,
+                 float, float*);
+  void (*pv)(const float*, const uint16_t*, int64_t, int64_t, float*);
+};
+
+template <int G>
+DecodeBlockFns block_fns_for(int64_t D) {
+  if (D == 128) return {scores_block_bf16<G, 4>, pv_block_bf16<G, 4>};
+  if (D == 64) return {scores_block_bf16<G, 2>, pv_block_bf16<G, 2>};
+  return {nullptr, nullptr};
+}
+
+inline DecodeBlockFns decode_block_fns(int64_t group, int64_t D) {  // {nullptr, nullptr}: the generic loops
+  switch (group) {
+    case 1: return block_fns_for<1>(D);
+    case 2: return block_fns_for<2>(D);
+    case 3: return block_fns_for<3>(D);
+    case 4: return block_fns_for<4>(D);
+    default: return {nullptr, nullptr};
+  }
+}
+
 // fast_exp on 16 lanes: the same steps (clamp, 2^n split, degree-6 polynomial, exponent add).
 inline __m512 fast_exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(1.44269504f));

@@ -4,10 +4,17 @@ The C++ file includes lesson 14's `paged_decode.cpp` for its row loops (bf16 con
 dot product, axpy, prefetch), so lesson 14's folder is on its include path and in the cache
 key. `MINIVLLM_KERNEL=0` or a missing compiler makes `load()` return None; the engine then
 falls back to lesson 15's torch path (see attention.py).
+
+bf16 prompt tiles have two implementations (flash_attention.cpp's header): float32 FMAs on
+widened tiles, or bf16 dot products where the build has AVX512-BF16. `prefill_tiles()` picks
+one: MINIVLLM_PREFILL_TILES=bf16 or f32 forces it; auto (the default) takes the dot products
+where one core's measured dot-product rate (peak.cpp) clearly beats its FMA rate.
 """
 from __future__ import annotations
 
 import ctypes
+import os
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,6 +26,11 @@ from step14_batched_forward import kernel as lesson14_kernel
 SOURCE = Path(__file__).with_name("flash_attention.cpp")
 MAX_BLOCK_SIZE = 1024          # kMaxKeyTile in the C++ file
 _FUNCS = {torch.bfloat16: "flash_attention_bf16", torch.float32: "flash_attention_f32"}
+TILES_VAR = "MINIVLLM_PREFILL_TILES"
+_TILE_MODES = {"f32": 0, "bf16": 1, "bf16-scores": 2}   # flash_set_prefill_tiles; bf16-scores: measuring only
+# auto takes the dot products only where they do this much more arithmetic per second than FMAs:
+# at equal rates the FMAs win, since the dot products round P to bf16 and shuffle V.
+DOT_MARGIN = 1.25
 
 
 @lru_cache(maxsize=None)
@@ -32,8 +44,62 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, i64]
         fn.restype = None
-    lib.flash_max_rows.restype = i64
+    lib.flash_max_rows.restype = lib.flash_prefill_bf16_built.restype = i64
+    lib.flash_set_prefill_tiles.argtypes, lib.flash_set_prefill_tiles.restype = [i64], None
     return lib
+
+
+def core_peaks(iters: int = 20_000_000) -> tuple[float, float]:
+    """GFLOP/s of one core: float32 FMAs and bf16 dot products (-1: no AVX512-BF16), from peak.cpp."""
+    lib = _peak_lib()
+    return lib.peak_fp32_fma_gflops(iters), lib.peak_bf16_dot_gflops(iters)
+
+
+@lru_cache(maxsize=None)
+def _peak_lib() -> ctypes.CDLL:
+    lib = lesson14_kernel.build_library(SOURCE.with_name("peak.cpp"), (lesson14_kernel.SOURCE.parent,))   # + isa.h
+    for name in ("peak_fp32_fma_gflops", "peak_bf16_dot_gflops"):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_double, [ctypes.c_int64]
+    return lib
+
+
+@lru_cache(maxsize=None)
+def dot_beats_fma() -> bool:
+    """Measured once a process (about 20 ms): do bf16 dot products beat float32 FMAs on this core?
+    Best of three alternating short runs each, so a moment of other work on the core counts less."""
+    runs = [core_peaks(1_000_000) for _ in range(3)]
+    fma, dot = max(r[0] for r in runs), max(r[1] for r in runs)
+    return dot > DOT_MARGIN * fma
+
+
+def prefill_tiles() -> str:
+    """'bf16' or 'f32': what bf16 prompt tiles use in this process (MINIVLLM_PREFILL_TILES, see above)."""
+    lib = load()
+    choice = os.environ.get(TILES_VAR, "auto")
+    if choice not in (*_TILE_MODES, "auto"):
+        raise ValueError(f"{TILES_VAR} must be auto, bf16 or f32, got {choice!r}")
+    if lib is None or not lib.flash_prefill_bf16_built():
+        if choice.startswith("bf16"):
+            _warn_once(f"{TILES_VAR}={choice}: this build has no AVX512-BF16, using float32 tiles")
+        return "f32"
+    if choice == "auto":
+        return "bf16" if dot_beats_fma() else "f32"
+    return choice
+
+
+@lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message)
+
+
+_applied: list[int] = [-1]      # the mode the library holds, so a call sets it only when it changes
+
+
+def _apply_tiles(lib: ctypes.CDLL) -> None:
+    mode = _TILE_MODES[prefill_tiles()]
+    if mode != _applied[0]:
+        lib.flash_set_prefill_tiles(mode)
+        _applied[0] = mode
 
 
 def flash_attention_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
@@ -60,6 +126,8 @@ def flash_attention_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, cu_seqlens_q:
     out = torch.empty_like(q) if out is None else out
     q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
     cu, lens, tables = cu_seqlens_q.contiguous(), seq_lens.contiguous(), block_tables.contiguous()
+    if q.dtype == torch.bfloat16:
+        _apply_tiles(lib)
     getattr(lib, _FUNCS[q.dtype])(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), cu.data_ptr(),
                                   lens.data_ptr(), tables.data_ptr(), out.data_ptr(), len(lens),
                                   tables.shape[1], Hkv, group, bs, D, D ** -0.5 if scale is None else scale, q_tile)
