@@ -26,7 +26,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Sequence as Seq
 
-import torch
 from torch import Tensor, nn
 
 from step04_transformer.model import StepAttention

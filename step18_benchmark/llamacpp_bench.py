@@ -127,6 +127,9 @@ class Ours:
         engine = build_engine(model, config, small_rows=small_rows)
         copies = sum(m.dense.numel() * m.dense.element_size() for m in engine.model.modules()
                      if getattr(m, "dense", None) is not None)
+        head = getattr(engine.runner, "head_plain", None)
+        if head is not None and head.data_ptr() != engine.model.model.embed_tokens.weight.data_ptr():
+            copies += head.numel() * head.element_size()      # the head's own copy (on 2 MB pages)
         one_call = "every layer in one C call, " if getattr(engine.runner, "one_call", False) else ""
         return cls(engine, f"lesson 16 + CPU fast path, steps of <= 4 rows: {one_call}gemv_bf16 on plain weight "
                            f"copies ({copies / 1e6:.0f} MB)" if copies else

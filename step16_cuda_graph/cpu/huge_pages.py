@@ -28,25 +28,40 @@ from step14_batched_forward.kv_pool import HeadMajorKVPool
 HUGE_PAGE = 2 << 20
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on memory advised onto 2 MB pages before its first write. The memory
-    is a fresh private anonymous mapping of its own (malloc may hand back heap pages that were
-    written already, which no advice turns into huge pages), trimmed to start on a 2 MB
-    boundary so that whole huge pages cover it. Plain torch.zeros where that is not possible."""
+def huge_page_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An unwritten CPU tensor (it reads as zeros) on memory advised onto 2 MB pages before its
+    first write, or None where that cannot be asked for (no MADV_HUGEPAGE, the kernel refuses,
+    less than one huge page). The memory is a fresh private anonymous mapping of its own (malloc
+    may hand back heap pages that were written already, which no advice turns into huge pages),
+    trimmed to start on a 2 MB boundary so that whole huge pages cover it."""
     numel = 1
     for n in shape:
         numel *= n
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
+        return None
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)            # keeps the mapping alive
     start = (-raw.data_ptr()) % HUGE_PAGE
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % HUGE_PAGE)
     except OSError:
-        pass                                                       # refused: 4 KB pages, same values
-    return raw[start:start + nbytes].view(dtype).view(shape).zero_()
+        return None
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on 2 MB pages (huge_page_memory); plain torch.zeros where not possible."""
+    memory = huge_page_memory(shape, dtype)
+    return torch.zeros(shape, dtype=dtype) if memory is None else memory.zero_()
+
+
+def huge_page_copy(t: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous copy of CPU tensor `t` on 2 MB pages, or None where they cannot be asked for.
+    A decode step of one to four rows streams every weight once: on 4 KB pages that is a TLB miss
+    every 4 KB, on 2 MB pages one every 2 MB (`cpu/bench.py decode` reads weights both ways)."""
+    memory = huge_page_memory(tuple(t.shape), t.dtype)
+    return None if memory is None else memory.copy_(t)
 
 
 class HugePageKVPool(HeadMajorKVPool):

@@ -30,6 +30,7 @@ from step14_batched_forward import kernel as lesson14_kernel
 from step14_batched_forward.packed_linear import PackedLinear, replace_modules
 from step15_flash_attention.amx_prefill import amx_prefill, amx_prefill_fits
 from step15_flash_attention.flash_cpu import flash_attention_cpu
+from step16_cuda_graph.cpu.huge_pages import huge_page_copy
 
 ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.cpp")
 LESSON14_DIR = Path(lesson14_kernel.__file__).parent      # isa.h
@@ -136,7 +137,11 @@ class OpPackedLinear(PackedLinear):
         self.packed, self.bias = packed.packed, packed.bias
         fits = (small_rows and gemv_max_rows() > 0 and packed.bias is None and packed.in_features % 32 == 0
                 and packed.packed.dtype == torch.bfloat16)
-        self.dense = packed.packed.to_dense().contiguous() if fits else None
+        self.dense = None
+        if fits:                                    # on 2 MB pages where the OS grants them (huge_pages.py)
+            dense = packed.packed.to_dense().contiguous()
+            on_huge_pages = huge_page_copy(dense)
+            self.dense = dense if on_huge_pages is None else on_huge_pages
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
