@@ -10,7 +10,7 @@ import torch
 
 from step04_transformer.loader import load_model
 from step14_batched_forward.kv_pool import HeadMajorKVPool
-from step16_cuda_graph.cpu.huge_pages import HUGE_PAGE, HugePageKVPool, huge_page_bytes, huge_page_zeros
+from step16_cuda_graph.cpu.huge_pages import HUGE_PAGE, HugePageKVPool, huge_page_bytes, huge_page_copy, huge_page_zeros
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -50,3 +50,20 @@ def test_pool_layout_and_methods_are_lesson14s(tiny_qwen3_dir):
     for pool in (mine, theirs):
         pool.write(1, slots, k, -k)
     assert all(torch.equal(a, b) for a, b in zip(mine.k + mine.v, theirs.k + theirs.v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copies_hold_the_values_and_small_ones_share_a_mapping(dtype):
+    """huge_page_copy (the fast path's weight copies): the same values, contiguous, aligned to a
+    cache line; tensors under a huge page go back to back into one shared mapping."""
+    small = [torch.randn(7, 33).to(dtype), torch.randn(300, 576).to(dtype), torch.randn(5).to(dtype)]
+    large = torch.randn(3 * HUGE_PAGE // 4 + 5).to(dtype)          # over one huge page
+    copies = [huge_page_copy(t) for t in small + [large]]
+    if any(c is None for c in copies):
+        pytest.skip("this OS gives no memory advised onto huge pages (no MADV_HUGEPAGE or refused)")
+    for t, c in zip(small + [large], copies):
+        assert torch.equal(t, c) and c.is_contiguous() and c.data_ptr() % 64 == 0
+        assert c.data_ptr() != t.data_ptr()
+    first, second = copies[0], copies[1]
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()    # one mapping
+    assert copies[-1].data_ptr() % HUGE_PAGE == 0                 # a large one starts on a huge page

@@ -38,6 +38,7 @@ from step14_batched_forward.packed_linear import replace_modules
 from step16_cuda_graph.cpu import decode_step
 from step16_cuda_graph.cpu.engine import build_engine
 from step16_cuda_graph.cpu.fused import FusedQKVAttention, FusedSwiGLU
+from step16_cuda_graph.cpu.huge_pages import huge_page_copy
 from step16_cuda_graph.cpu.ops import LESSON14_DIR, elementwise_fits, library_op
 
 SOURCE = Path(__file__).with_name("q4_1_gemv.cpp")
@@ -76,15 +77,22 @@ def q4_1_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
     return y
 
 
+def on_huge_pages(t: Tensor) -> Tensor:
+    copy = huge_page_copy(t)
+    return t if copy is None else copy
+
+
 class Q41Linear(nn.Module):
     """A linear whose weight is Q4_1 blocks (bf16 activations in and out, no bias)."""
 
     def __init__(self, blocks: list[Q41Blocks]):
         super().__init__()
         q = torch.cat([b.q for b in blocks])                # rows of several weights, stacked
-        self.register_buffer("qs", pack_nibbles(q))
-        self.register_buffer("d", torch.cat([b.d for b in blocks]).float().contiguous())
-        self.register_buffer("m", torch.cat([b.m for b in blocks]).float().contiguous())
+        # On 2 MB pages where the OS grants them (lesson 16's huge_pages.py): a decode step of a
+        # few rows streams all three once, without a TLB miss every 4 KB.
+        self.register_buffer("qs", on_huge_pages(pack_nibbles(q)))
+        self.register_buffer("d", on_huge_pages(torch.cat([b.d for b in blocks]).float().contiguous()))
+        self.register_buffer("m", on_huge_pages(torch.cat([b.m for b in blocks]).float().contiguous()))
         self.out_features, self.in_features = q.shape
         # for lesson 16's one-call plan: the struct its loop hands to q4_1_linear
         self.matrix = Q41Matrix(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())

@@ -13,6 +13,7 @@ computes bf16 natively, else fp32; vLLM-CPU gets the same dtype).
                                                    # and vLLM-CPU, alternating (--requests N: its first
                                                    # N; --hf-batch B: HF generate too)
     python step16_cuda_graph/cpu/bench.py decode     # a decode step's attention, the KV pool on 4 KB and on 2 MB pages
+    python step16_cuda_graph/cpu/bench.py weights    # a batch-1 step's weight reads (gemv_bf16), copies on 4 KB and 2 MB pages
     python step16_cuda_graph/cpu/bench.py linears    # the packed bf16 linear at 1, 8, 64 rows, out of cache
     python step16_cuda_graph/cpu/bench.py phases     # prompt steps alone, then decode steps, lesson 16 + fast path and
                                                    # vLLM-CPU on the same token ids
@@ -43,7 +44,7 @@ from step14_batched_forward.engine import BatchedEngine
 from step15_flash_attention import engine as lesson15
 from step16_cuda_graph import engine as lesson16
 from step16_cuda_graph.cpu import engine as fast_path
-from step16_cuda_graph.cpu.bench_decode import run_decode
+from step16_cuda_graph.cpu.bench_decode import run_decode, run_weights
 from step16_cuda_graph.cpu.bench_linears import run_linears
 
 ROOT = Path(__file__).resolve().parents[2]           # the repository (this file is step16_cuda_graph/cpu/bench.py)
@@ -237,7 +238,8 @@ def run_phases(model, seed: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["step", "batch1", "prefill", "workload", "linears", "phases", "decode"])
+    p.add_argument("what", choices=["step", "batch1", "prefill", "workload", "linears", "phases", "decode",
+                                     "weights"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--context", type=int, default=360)
     p.add_argument("--rounds", type=int, default=2)
@@ -252,8 +254,9 @@ def main() -> None:
     global DTYPE
     DTYPE = DTYPES[resolve_dtype_name(args.dtype)]
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}\ndtype: {resolve_dtype_name(args.dtype)}")
-    if args.what in ("linears", "decode"):
-        run_linears(vllm) if args.what == "linears" else run_decode(rounds=max(args.rounds, 6))
+    if args.what in ("linears", "decode", "weights"):
+        {"linears": lambda: run_linears(vllm), "decode": lambda: run_decode(rounds=max(args.rounds, 6)),
+         "weights": lambda: run_weights(rounds=max(args.rounds, 9))}[args.what]()
         print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
         return
     from step04_transformer.loader import load_model

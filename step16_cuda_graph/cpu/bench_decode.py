@@ -2,7 +2,8 @@
 16 query heads, 8 KV heads, head dim 128, bf16, 28 layers), its blocks scattered over a pool
 larger than the caches as in a server that has run a while, the pool on 4 KB pages (lesson 14's)
 and on 2 MB pages (huge_pages.py), in alternating rounds. Prints each one's K/V read rate
-against this machine's plain read rate (a float32 sum)."""
+against this machine's plain read rate (a float32 sum). `bench.py weights`: the other read of a
+small decode step, its weights, from copies on 4 KB and on 2 MB pages."""
 from __future__ import annotations
 
 import random
@@ -14,7 +15,8 @@ import torch
 from minivllm_support.workloads import read_bandwidth
 from step15_flash_attention import flash_cpu
 from step15_flash_attention.flash_cpu import flash_attention_cpu
-from step16_cuda_graph.cpu.huge_pages import huge_page_bytes, huge_page_zeros
+from step16_cuda_graph.cpu.huge_pages import huge_page_bytes, huge_page_copy, huge_page_zeros
+from step16_cuda_graph.cpu.ops import gemv, gemv_max_rows
 
 LAYERS, HQ, HKV, D = 28, 16, 8, 128
 
@@ -60,3 +62,41 @@ def run_decode(batch: int = 48, context: int = 400, block_size: int = 16, rounds
         med = statistics.median(ts)
         print(f"  {name}: {med * 1e3:6.1f} ms a step (median; {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}), "
               f"K/V read at {nbytes / med / 1e9:5.1f} GB/s = {nbytes / med / rate:.2f}x the plain read rate")
+
+
+def run_weights(rounds: int = 9) -> None:
+    """`bench.py weights`: a batch-1 decode step's weight reads alone, gemv_bf16 over the Qwen3-0.6B
+    shape's plain bf16 weights (28 layers of q|k|v, o, gate|up, down, then the LM head: 1.19 GB),
+    the copies on 4 KB pages and on 2 MB pages (huge_page_copy), in alternating rounds."""
+    if gemv_max_rows() < 1:
+        print("gemv_bf16 is not in this CPU's build (AVX-512 BF16 only): nothing to measure")
+        return
+    shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)] * LAYERS + [(151936, 1024)]
+    before = huge_page_bytes()
+    plain = [torch.randn(s).bfloat16() for s in shapes]
+    copies = {"4 KB pages": plain, "2 MB pages": [huge_page_copy(w) for w in plain]}
+    if any(w is None for w in copies["2 MB pages"]):
+        print("this OS gives no 2 MB pages on request (madvise): nothing to compare")
+        return
+    granted = huge_page_bytes() - before
+    x = {k: torch.randn(1, k).bfloat16() for k in {s[1] for s in shapes}}
+
+    def step(weights) -> float:
+        t0 = time.perf_counter()
+        for w in weights:
+            gemv(x[w.shape[1]], w)
+        return time.perf_counter() - t0
+
+    times = {name: [] for name in copies}
+    for _ in range(rounds):
+        for name, weights in copies.items():
+            times[name].append(step(weights))
+    nbytes = sum(w.numel() * 2 for w in plain)
+    rate = read_bandwidth()
+    print(f"batch-1 weight reads: gemv_bf16 over {len(shapes)} bf16 weights ({nbytes / 1e9:.2f} GB, Qwen3-0.6B shape "
+          f"with its LM head); {rounds} alternating rounds; this machine reads {rate / 1e9:.1f} GB/s (a float32 sum); "
+          f"huge pages granted: {granted / 2**30:.2f} GiB")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name}: {med * 1e3:6.1f} ms a step (median; {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}), "
+              f"weights read at {nbytes / med / 1e9:5.1f} GB/s = {nbytes / med / rate:.2f}x the plain read rate")

@@ -56,12 +56,29 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype) if memory is None else memory.zero_()
 
 
+# Tensors under a huge page (most weights of a 135M model) share mappings of this size, back to back.
+SHARED_MAPPING = 16 * HUGE_PAGE
+_shared: list = [None, 0]            # the mapping small copies go into now, and the bytes used of it
+
+
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor | None:
     """A contiguous copy of CPU tensor `t` on 2 MB pages, or None where they cannot be asked for.
     A decode step of one to four rows streams every weight once: on 4 KB pages that is a TLB miss
-    every 4 KB, on 2 MB pages one every 2 MB (`cpu/bench.py decode` reads weights both ways)."""
-    memory = huge_page_memory(tuple(t.shape), t.dtype)
-    return None if memory is None else memory.copy_(t)
+    every 4 KB, on 2 MB pages one every 2 MB (`cpu/bench.py weights` reads weights both ways).
+    A tensor smaller than a huge page goes into a mapping shared with the next ones (each
+    mapping lives as long as one of its tensors does)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes >= HUGE_PAGE:
+        memory = huge_page_memory(tuple(t.shape), t.dtype)
+        return None if memory is None else memory.copy_(t)
+    mapping, used = _shared
+    start = -(-used // 64) * 64                                    # cache-line aligned
+    if mapping is None or start + nbytes > mapping.numel():
+        mapping, start = huge_page_memory((SHARED_MAPPING,), torch.uint8), 0
+        if mapping is None:
+            return None
+    _shared[:] = [mapping, start + nbytes]
+    return mapping[start:start + nbytes].view(t.dtype).view(t.shape).copy_(t)
 
 
 class HugePageKVPool(HeadMajorKVPool):
