@@ -21,6 +21,22 @@ from step16_cuda_graph.cpu.ops import gemv, gemv_max_rows
 LAYERS, HQ, HKV, D = 28, 16, 8, 128
 
 
+def alternate(variants: dict, step, rounds: int) -> dict[str, list[float]]:
+    """Seconds of step(v) for each variant, the variants taking turns, `rounds` times."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, v in variants.items():
+            times[name].append(step(v))
+    return times
+
+
+def print_rates(times: dict[str, list[float]], nbytes: int, rate: float, what: str) -> None:
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name}: {med * 1e3:6.1f} ms a step (median; {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}), "
+              f"{what} read at {nbytes / med / 1e9:5.1f} GB/s = {nbytes / med / rate:.2f}x the plain read rate")
+
+
 def run_decode(batch: int = 48, context: int = 400, block_size: int = 16, rounds: int = 6) -> None:
     if flash_cpu.load() is None:
         print("lesson 15's kernel is unavailable here (no C++ compiler): nothing to measure")
@@ -47,21 +63,15 @@ def run_decode(batch: int = 48, context: int = 400, block_size: int = 16, rounds
             flash_attention_cpu(q, k, v, cu, lens, tables, out=out, check=False)
         return time.perf_counter() - t0
 
-    times = {name: [] for name in pools}
-    for name, layers in pools.items():
+    for layers in pools.values():
         step(layers)                                   # warm-up
-    for _ in range(rounds):
-        for name, layers in pools.items():
-            times[name].append(step(layers))
+    times = alternate(pools, step, rounds)
     nbytes = batch * context * LAYERS * 2 * HKV * D * 2           # K and V, every layer, bf16
     rate = read_bandwidth()
     print(f"decode attention, {batch} sequences x {context} tokens, block size {block_size}, blocks scattered "
           f"over the pool, {LAYERS} layers; {rounds} alternating rounds; this machine reads {rate / 1e9:.1f} GB/s "
           f"(a float32 sum); huge pages granted: {granted / 2**30:.2f} of {sum(t.numel() * 2 for kv in pools['2 MB pages'] for t in kv) / 2**30:.2f} GiB")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"  {name}: {med * 1e3:6.1f} ms a step (median; {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}), "
-              f"K/V read at {nbytes / med / 1e9:5.1f} GB/s = {nbytes / med / rate:.2f}x the plain read rate")
+    print_rates(times, nbytes, rate, "K/V")
 
 
 def run_weights(rounds: int = 9) -> None:
@@ -87,16 +97,10 @@ def run_weights(rounds: int = 9) -> None:
             gemv(x[w.shape[1]], w)
         return time.perf_counter() - t0
 
-    times = {name: [] for name in copies}
-    for _ in range(rounds):
-        for name, weights in copies.items():
-            times[name].append(step(weights))
+    times = alternate(copies, step, rounds)
     nbytes = sum(w.numel() * 2 for w in plain)
     rate = read_bandwidth()
     print(f"batch-1 weight reads: gemv_bf16 over {len(shapes)} bf16 weights ({nbytes / 1e9:.2f} GB, Qwen3-0.6B shape "
           f"with its LM head); {rounds} alternating rounds; this machine reads {rate / 1e9:.1f} GB/s (a float32 sum); "
           f"huge pages granted: {granted / 2**30:.2f} GiB")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"  {name}: {med * 1e3:6.1f} ms a step (median; {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}), "
-              f"weights read at {nbytes / med / 1e9:5.1f} GB/s = {nbytes / med / rate:.2f}x the plain read rate")
+    print_rates(times, nbytes, rate, "weights")
