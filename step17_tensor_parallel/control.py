@@ -141,7 +141,11 @@ def connect_to_rank0(store, master_addr: str, rank: int, flags: RunFlags, who: s
         port, token = int(store.get(KEY_PORT)), store.get(KEY_TOKEN).decode()
     except Exception as e:  # noqa: BLE001 - the store raises DistStoreError / RuntimeError on timeout
         raise RendezvousError(f"rank {rank}: rank 0 never published its control port ({e})") from e
-    sock = socket.create_connection((master_addr, port), timeout=timeout_s)
+    try:
+        sock = socket.create_connection((master_addr, port), timeout=timeout_s)
+    except OSError as e:           # published, but no one listens: rank 0 stopped waiting (it refused a rank)
+        raise RendezvousError(f"rank {rank}: rank 0's control port {master_addr}:{port} did not take the "
+                              f"connection ({e}); rank 0 has stopped waiting for workers") from e
     sock.settimeout(None)
     conn = Connection(sock.detach())
     conn.send_bytes(json.dumps({"token": token, "rank": rank, "who": who, "flags": asdict(flags)}).encode())
