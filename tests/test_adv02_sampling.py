@@ -217,7 +217,9 @@ def _hf_beams(hf, prompt, k, n, early_stopping, length_penalty):
     return seqs, out.sequences_scores.tolist()
 
 
-@pytest.mark.parametrize("k, early_stopping, length_penalty", [(2, False, 1.0), (4, True, 1.0), (4, "never", 0.5)])
+@pytest.mark.parametrize("k, early_stopping, length_penalty",     # one case in make test, the others slow (~6 s each)
+                         [pytest.param(2, False, 1.0, marks=pytest.mark.slow), (4, True, 1.0),
+                          pytest.param(4, "never", 0.5, marks=pytest.mark.slow)])
 def test_beam_search_equals_hf_generate(llm, smol_hf, smol_tokenizer, k, early_stopping, length_penalty):
     prompts = [chat_prompt_ids(smol_tokenizer, q) for q in BEAM_QUESTIONS]
     hits = llm.engine.stats().prefix_cache_hits

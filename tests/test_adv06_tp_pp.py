@@ -41,6 +41,7 @@ def one_process(tiny4):
     return prompts, [s.output_token_ids for s in engine.generate(prompts, SP)]
 
 
+@pytest.mark.slow
 def test_tp2_pp2_equals_one_process(tiny4, one_process, no_leftovers):
     prompts, ref = one_process
     with PPEngine(tiny4, CONFIG, pipeline_parallel_size=2, tensor_parallel_size=2, dtype=torch.float32,
