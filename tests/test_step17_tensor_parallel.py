@@ -199,8 +199,7 @@ def _run_twice(engine: TPEngine, prompts, sp) -> list[list[int]]:
     return first
 
 
-# The shm all-reduce at tp2 and tp4 (9 s on 2 cores) runs with the slow cases; gloo keeps the check here.
-@pytest.mark.parametrize("all_reduce", [GLOO, pytest.param(SHM, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("all_reduce", [GLOO, SHM])
 def test_tp2_and_tp4_equal_tp1_on_tiny_qwen3(tiny_qwen3_dir, all_reduce, no_leftovers):
     cfg = ModelConfig.from_pretrained(tiny_qwen3_dir)
     prompts = _prompts(cfg.vocab_size, (3, 40, 17, 64, 9), shared=8)
