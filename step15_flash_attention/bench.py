@@ -234,18 +234,21 @@ def run_workload(rounds: int, seed: int) -> None:
 
 def decode_rate(batch: int = 48, context: int = 400, block_size: int = 16, reps: int = 4) -> None:
     """The attention of one decode step of the Qwen3-0.6B shape (16 q heads, 8 KV heads, D 128,
-    bf16): `batch` sequences of `context` tokens, their blocks at random places of a pool larger
-    than the caches (as in a server that has been running a while), 28 layers of it."""
+    in the dtype the engine picks here): `batch` sequences of `context` tokens, their blocks at
+    random places of a pool larger than the caches (as in a server that has been running a
+    while), 28 layers of it."""
     import random
+    from minivllm_support.cpu import auto_dtype
     from minivllm_support.workloads import read_bandwidth
     from step15_flash_attention.flash_cpu import flash_attention_cpu
+    dtype = auto_dtype()
     per_seq = -(-context // block_size)
     pool_blocks = 4 * batch * per_seq                  # a quarter of it in use
-    layers = [(torch.randn(pool_blocks, 8, block_size, 128).bfloat16(), torch.randn(pool_blocks, 8, block_size, 128).bfloat16())
-              for _ in range(4)]                   # 4 pools take turns as the 28 layers: 4 x 2 x 0.3 GB
+    layers = [(torch.randn(pool_blocks, 8, block_size, 128).to(dtype), torch.randn(pool_blocks, 8, block_size, 128).to(dtype))
+              for _ in range(4)]                   # 4 pools take turns as the 28 layers: 4 x 2 x 0.3 GB (bf16)
     where = random.Random(0).sample(range(pool_blocks), batch * per_seq)
     tables = torch.tensor(where).view(batch, per_seq)
-    q, cu, lens = torch.randn(batch, 16, 128).bfloat16(), torch.arange(batch + 1), torch.full((batch,), context)
+    q, cu, lens = torch.randn(batch, 16, 128).to(dtype), torch.arange(batch + 1), torch.full((batch,), context)
 
     def step() -> None:
         for i in range(28):
@@ -257,9 +260,10 @@ def decode_rate(batch: int = 48, context: int = 400, block_size: int = 16, reps:
         t0 = time.perf_counter()
         step()
         best = min(best, time.perf_counter() - t0)
-    nbytes = batch * context * 28 * 2 * 8 * 128 * 2           # K and V, every layer, bf16
+    nbytes = batch * context * 28 * 2 * 8 * 128 * dtype.itemsize          # K and V, every layer
     rate = read_bandwidth()
-    print(f"decode attention, {batch} sequences x {context} tokens, block size {block_size}, blocks scattered "
+    print(f"decode attention ({str(dtype).removeprefix('torch.')}), {batch} sequences x {context} tokens, "
+          f"block size {block_size}, blocks scattered "
           f"over the pool, 28 layers (best of {reps}):")
     print(f"  {best * 1e3:.1f} ms a step, K/V read at {nbytes / best / 1e9:.1f} GB/s; this machine reads "
           f"{rate / 1e9:.1f} GB/s (a float32 sum): {nbytes / best / rate:.2f}x of it")

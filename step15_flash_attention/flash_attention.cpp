@@ -192,6 +192,7 @@ void prefill_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, c
 
 
 #include "decode_bf16.h"  // one decode item with its accumulators in registers
+#include "decode_f32.h"   // the same for float32 on AVX2 + FMA
 
 // One block's scores s[g][0..cnt) -> probabilities, with each head's running max, sum and
 // accumulator brought up to date (the online softmax of the prefill tiles, one row per head).
@@ -224,6 +225,16 @@ void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, in
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (const FusedDecodeFn fused = fused_decode_fn(group, D)) {
+      fused(qh, kp, vp, table, len, bs, a.hkv, h, a.scale, acc, w.l);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < D; ++d) store(&o[g * D + d], acc[g * D + d] / w.l[g]);
+      return;
+    }
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (const FusedDecodeF32Fn fused = fused_decode_f32_fn(group, D)) {
       fused(qh, kp, vp, table, len, bs, a.hkv, h, a.scale, acc, w.l);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < D; ++d) store(&o[g * D + d], acc[g * D + d] / w.l[g]);

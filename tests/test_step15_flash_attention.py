@@ -180,3 +180,14 @@ def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):
     finally:
         flash_cpu.load.cache_clear()
     assert lesson14_kernel.SOURCE.is_file()
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("bs, D", [(16, 128), (64, 64), (8, 128)])
+def test_float32_decodes_over_long_contexts(group, bs, D):
+    """Decode rows only, contexts of many blocks (and of many 16-key chunks per block): the fused
+    float32 decode items of AVX2 builds (decode_f32.h; other builds run the generic loops)."""
+    lens = [1, 15, 17, 16 * 9 + 5, 1000]
+    case = random_paged_case([1] * len(lens), lens, 2, group, bs, D, torch.float32, seed=group)
+    torch.testing.assert_close(flash_attention_cpu(*case), reference_attention(*case), atol=1e-5, rtol=1e-5)

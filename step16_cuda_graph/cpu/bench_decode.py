@@ -1,5 +1,5 @@
 """`bench.py decode`: lesson 15's kernel on one decode step's attention (the Qwen3-0.6B shape:
-16 query heads, 8 KV heads, head dim 128, bf16, 28 layers), its blocks scattered over a pool
+16 query heads, 8 KV heads, head dim 128, in the dtype the engine picks here, 28 layers), its blocks scattered over a pool
 larger than the caches as in a server that has run a while, the pool on 4 KB pages (lesson 14's)
 and on 2 MB pages (huge_pages.py), in alternating rounds. Prints each one's K/V read rate
 against this machine's plain read rate (a float32 sum). `bench.py weights`: the other read of a
@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from minivllm_support.cpu import auto_dtype
 from minivllm_support.workloads import read_bandwidth
 from step15_flash_attention import flash_cpu
 from step15_flash_attention.flash_cpu import flash_attention_cpu
@@ -43,17 +44,17 @@ def run_decode(batch: int = 48, context: int = 400, block_size: int = 16, rounds
         return
     per_seq = -(-context // block_size)
     pool_blocks = 4 * batch * per_seq                  # a quarter of it in use
-    shape = (pool_blocks, HKV, block_size, D)
+    shape, dtype = (pool_blocks, HKV, block_size, D), auto_dtype()
     rand = lambda t: t.copy_(torch.randn(shape))      # noqa: E731
     before = huge_page_bytes()
-    pools = {"4 KB pages": [(rand(torch.zeros(shape, dtype=torch.bfloat16)), rand(torch.zeros(shape, dtype=torch.bfloat16)))
-                            for _ in range(4)],        # 4 pools take turns as the 28 layers (2.5 GB in all)
-             "2 MB pages": [(rand(huge_page_zeros(shape, torch.bfloat16)), rand(huge_page_zeros(shape, torch.bfloat16)))
+    pools = {"4 KB pages": [(rand(torch.zeros(shape, dtype=dtype)), rand(torch.zeros(shape, dtype=dtype)))
+                            for _ in range(4)],        # 4 pools take turns as the 28 layers (2.5 GB in all, bf16)
+             "2 MB pages": [(rand(huge_page_zeros(shape, dtype)), rand(huge_page_zeros(shape, dtype)))
                             for _ in range(4)]}
     granted = huge_page_bytes() - before
     where = random.Random(0).sample(range(pool_blocks), batch * per_seq)
     tables = torch.tensor(where).view(batch, per_seq)
-    q, cu, lens = torch.randn(batch, HQ, D).bfloat16(), torch.arange(batch + 1), torch.full((batch,), context)
+    q, cu, lens = torch.randn(batch, HQ, D).to(dtype), torch.arange(batch + 1), torch.full((batch,), context)
     out = torch.empty_like(q)
 
     def step(layers) -> float:
@@ -66,11 +67,11 @@ def run_decode(batch: int = 48, context: int = 400, block_size: int = 16, rounds
     for layers in pools.values():
         step(layers)                                   # warm-up
     times = alternate(pools, step, rounds)
-    nbytes = batch * context * LAYERS * 2 * HKV * D * 2           # K and V, every layer, bf16
+    nbytes = batch * context * LAYERS * 2 * HKV * D * dtype.itemsize          # K and V, every layer
     rate = read_bandwidth()
-    print(f"decode attention, {batch} sequences x {context} tokens, block size {block_size}, blocks scattered "
+    print(f"decode attention ({str(dtype).removeprefix('torch.')}), {batch} sequences x {context} tokens, block size {block_size}, blocks scattered "
           f"over the pool, {LAYERS} layers; {rounds} alternating rounds; this machine reads {rate / 1e9:.1f} GB/s "
-          f"(a float32 sum); huge pages granted: {granted / 2**30:.2f} of {sum(t.numel() * 2 for kv in pools['2 MB pages'] for t in kv) / 2**30:.2f} GiB")
+          f"(a float32 sum); huge pages granted: {granted / 2**30:.2f} of {sum(t.numel() * dtype.itemsize for kv in pools['2 MB pages'] for t in kv) / 2**30:.2f} GiB")
     print_rates(times, nbytes, rate, "K/V")
 
 
