@@ -97,7 +97,7 @@ def packed_linear(x: Tensor, packed_weight: Tensor, bias: Tensor | None, out_fea
                   dense: Tensor | None) -> Tensor:
     """x [N, in] @ W^T + b with W in oneDNN's blocked layout: lesson 14's call. With `dense` (the
     same W in its plain layout, see OpPackedLinear) and a few rows: our GEMV on it instead."""
-    if dense is not None and x.shape[0] <= gemv_max_rows():
+    if dense is not None and x.shape[0] <= gemv_rows(x.dtype):
         return gemv(x, dense)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
@@ -108,11 +108,27 @@ def gemv_max_rows() -> int:
     return lib.gemv_rows if lib is not None else 0
 
 
+def gemv_rows(dtype: torch.dtype) -> int:
+    """Most rows our GEMV takes for activations of `dtype`: gemv_bf16 for bf16, gemv_f32 (a
+    weight stored as bf16, gemv_f32.h) for float32; 0 where this build has none for it."""
+    lib = kernels_library()
+    if lib is None:
+        return 0
+    return {torch.bfloat16: lib.gemv_rows, torch.float32: lib.gemv_f32_rows}.get(dtype, 0)
+
+
 def gemv(x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """x [M, K] @ weight [N, K]^T in bf16 for M <= gemv_max_rows(), K % 32 == 0 (gemv_bf16).
-    out: a contiguous float32 [M, N] to write into instead (the bf16 results, widened)."""
+    """x [M, K] @ weight [N, K]^T for M <= gemv_rows(x.dtype), K % 32 == 0, weight bf16: in bf16
+    (gemv_bf16), or for float32 x in float32 with the weight widened (gemv_f32, float32 out).
+    out: a contiguous float32 [M, N] to write into instead (bf16 results widened)."""
     x = x.contiguous()
     lib, (M, K), N = kernels_library(), x.shape, weight.shape[0]
+    if x.dtype == torch.float32:
+        y = x.new_empty(M, N) if out is None else out
+        if y.dtype != torch.float32 or y.shape != (M, N) or not y.is_contiguous():
+            raise ValueError(f"gemv out: a contiguous float32 [{M}, {N}], got {y.dtype} {tuple(y.shape)}")
+        lib.gemv_f32(x.data_ptr(), M, K, weight.data_ptr(), N, y.data_ptr())
+        return y
     if out is None:
         y = x.new_empty(M, N)
         lib.gemv_bf16(x.data_ptr(), M, K, weight.data_ptr(), N, y.data_ptr())
@@ -127,30 +143,42 @@ class OpPackedLinear(PackedLinear):
     """Lesson 14's PackedLinear, called through the custom op (same weights, same numbers).
 
     small_rows: also keep the weight in its plain [out, in] layout (memory: the weight once more)
-    and compute steps of at most gemv_max_rows() rows with gemv_bf16 (a decode step of one to four
-    sequences: the case one conversation is); bf16 weights without bias, in_features % 32 == 0,
-    where the library has it. `bench.py batch1` and lesson 18's llamacpp_bench measure it."""
+    and compute steps of at most gemv_rows() rows with our GEMV (a decode step of one to four
+    sequences: the case one conversation is); weights without bias, in_features % 32 == 0,
+    where the library has it: bf16 weights with gemv_bf16, float32 weights that are all bf16
+    values (a bf16 checkpoint run in float32) stored as bf16 with gemv_f32. `bench.py batch1`
+    and lesson 18's llamacpp_bench measure it."""
 
     def __init__(self, packed: PackedLinear, small_rows: bool = True):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.packed, self.bias = packed.packed, packed.bias
-        fits = (small_rows and gemv_max_rows() > 0 and packed.bias is None and packed.in_features % 32 == 0
-                and packed.packed.dtype == torch.bfloat16)
         self.dense = None
-        if fits:                                    # on 2 MB pages where the OS grants them (huge_pages.py)
-            dense = packed.packed.to_dense().contiguous()
-            on_huge_pages = huge_page_copy(dense)
-            self.dense = dense if on_huge_pages is None else on_huge_pages
+        if small_rows and gemv_rows(packed.packed.dtype) > 0 and packed.bias is None and packed.in_features % 32 == 0:
+            dense = plain_bf16(packed.packed.to_dense().contiguous())
+            if dense is not None:                   # on 2 MB pages where the OS grants them (huge_pages.py)
+                on_huge_pages = huge_page_copy(dense)
+                self.dense = dense if on_huge_pages is None else on_huge_pages
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
         if not torch.compiler.is_compiling():       # eager: skip the op's dispatch cost (~us per call)
-            if self.dense is not None and x2.shape[0] <= gemv_max_rows():
+            if self.dense is not None and x2.shape[0] <= gemv_rows(x2.dtype):
                 return gemv(x2, self.dense).view(*x.shape[:-1], self.out_features)
             return super().forward(x)
         y = packed_linear(x2, self.packed, self.bias, self.out_features, self.dense)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def plain_bf16(weight: Tensor) -> Tensor | None:
+    """`weight` as bf16 for our GEMV: itself if bf16; a bf16 copy of a float32 weight whose every
+    value is a bf16 value (so the copy is exact); else None."""
+    if weight.dtype == torch.bfloat16:
+        return weight
+    if weight.dtype != torch.float32:
+        return None
+    narrow = weight.bfloat16()
+    return narrow if torch.equal(narrow.float(), weight) else None
 
 
 def route_packed_linears(model: torch.nn.Module, small_rows: bool = True) -> torch.nn.Module:
@@ -176,6 +204,9 @@ def kernels_library() -> ctypes.CDLL | None:
     if (bind(lib, "gemv_max_rows", [], i64) and bind(lib, "gemv_bf16", [ptr, i64, i64, ptr, i64, ptr])
             and bind(lib, "gemv_bf16_f32", [ptr, i64, i64, ptr, i64, ptr])):
         lib.gemv_rows = int(lib.gemv_max_rows())
+    lib.gemv_f32_rows = 0                             # gemv_f32: AVX2 builds (gemv_f32.h)
+    if bind(lib, "gemv_f32_max_rows", [], i64) and bind(lib, "gemv_f32", [ptr, i64, i64, ptr, i64, ptr]):
+        lib.gemv_f32_rows = int(lib.gemv_f32_max_rows())
     lib.has_elementwise = (bind(lib, "elementwise_available", [], i64) and bool(lib.elementwise_available())
                            and bind(lib, "qk_norm_rope_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
                                                                ctypes.c_float, ptr, ptr])

@@ -31,7 +31,7 @@ from step16_cuda_graph.runner import GraphRunner
 from step16_cuda_graph.cpu import decode_step
 from step16_cuda_graph.cpu.huge_pages import huge_page_copy
 from step16_cuda_graph.cpu.mixed import MixedStepRunner
-from step16_cuda_graph.cpu.ops import gemv, gemv_max_rows
+from step16_cuda_graph.cpu.ops import gemv, gemv_max_rows, gemv_rows, plain_bf16
 
 
 def module_tensors(module: nn.Module) -> dict[str, Tensor]:
@@ -123,8 +123,8 @@ class CpuGraphRunner(GraphRunner):
                  one_call: bool = True):
         """direct_calls=False: every call of a compiled body goes through Dynamo (for comparison).
         compile_mixed=False: prompt steps run eagerly, as in lesson 16. small_rows: logits of
-        up to gemv_max_rows() rows by gemv_bf16 on the head's plain weight (the embedding when
-        tied: no copy), as ops.OpPackedLinear does for the layers' linears. one_call: buckets of
+        up to gemv_rows() rows by our GEMV on the head's plain weight (the embedding when tied;
+        in float32, its bf16 copy where exact), as ops.OpPackedLinear does for the layers' linears. one_call: buckets of
         up to gemv_max_rows() rows run every layer in one C call (decode_step.py) where the
         model fits it; False: they are compiled like the others."""
         super().__init__(model, pool, attention, max_batch, scratch_block)
@@ -143,8 +143,9 @@ class CpuGraphRunner(GraphRunner):
         self.lm_head = packed_lm_head(model)
         self._logits: Tensor | None = None       # float32 [rows, vocab], reused by every step
         self.head_plain = self.lm_head.weight_plain if small_rows and self.lm_head is not None else None
-        if self.head_plain is not None and not (gemv_max_rows() and self.head_plain.dtype == torch.bfloat16
-                                                 and self.head_plain.shape[1] % 32 == 0):
+        if self.head_plain is not None and gemv_rows(self.head_plain.dtype) and self.head_plain.shape[1] % 32 == 0:
+            self.head_plain = plain_bf16(self.head_plain)   # float32: a bf16 copy where exact, else None
+        else:
             self.head_plain = None
         if self.head_plain is not None:
             # A copy on 2 MB pages where the OS grants them: a small step streams the whole head
@@ -170,7 +171,7 @@ class CpuGraphRunner(GraphRunner):
         if self._logits is None or self._logits.shape[0] < n:
             self._logits = torch.empty(max(n, self.buckets[-1]), vocab)
         # A view into the buffer: valid until the next compute_logits (callers use it in the step).
-        if self.head_plain is not None and n <= gemv_max_rows():
+        if self.head_plain is not None and n <= gemv_rows(hidden.dtype):
             # The same bf16 logits, streamed in order, written widened into the buffer (no copy).
             return gemv(hidden, self.head_plain, out=self._logits[:n])
         return self._logits[:n].copy_(self.lm_head(hidden))
