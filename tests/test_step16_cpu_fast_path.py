@@ -239,7 +239,8 @@ def test_a_dropped_engine_is_freed(tiny):
 @needs_kernel
 def test_packed_head_gives_the_models_logits_in_one_buffer(tiny):
     """The LM head: a packed copy of the (tied) embedding where oneDNN packs this dtype, logits
-    to float rounding of lesson 04's head, written into one float32 buffer step after step."""
+    to float rounding of lesson 04's head, float32 step after step (in float32 the head's own
+    output, not copied; bf16 logits are widened into one float32 buffer)."""
     if not can_pack(torch.float32):
         pytest.skip("no oneDNN float32 packing on this CPU")
     engine = build_engine(tiny, _config(tiny, max_num_seqs=2), record_now=False)
@@ -251,9 +252,8 @@ def test_packed_head_gives_the_models_logits_in_one_buffer(tiny):
         want1, want2 = tiny.compute_logits(h1), tiny.compute_logits(h2)
         got1 = runner.compute_logits(h1)
         torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
-        ptr = got1.data_ptr()
         got2 = runner.compute_logits(h2)
-    assert got2.dtype == torch.float32 and got2.shape == want2.shape and got2.data_ptr() == ptr
+    assert got2.dtype == torch.float32 and got2.shape == want2.shape
     torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
 
 
