@@ -33,6 +33,21 @@ TORCH_BASELINE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2
                       "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
+# glibc 2.35+ reads this when a process starts: its malloc then advises every large block it
+# maps from the OS (torch's tensors, oneDNN's packed weights) as transparent huge pages, which
+# Linux grants where THP is in `madvise` or `always` mode. Older glibc and other OSes ignore it.
+HUGE_PAGE_MALLOC_ENV = "glibc.malloc.hugetlb=1"
+
+
+def huge_page_malloc_env(env: dict | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with glibc's malloc asked for huge pages, for a child."""
+    env = dict(os.environ if env is None else env)
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if HUGE_PAGE_MALLOC_ENV not in tunables.split(":"):
+        env["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGE_MALLOC_ENV}" if tunables else HUGE_PAGE_MALLOC_ENV
+    return env
+
+
 def baseline() -> bool:
     return os.environ.get(BASELINE_VAR, "0") not in ("", "0")
 

@@ -3,6 +3,7 @@ variants alternating, and for every run where its time went.
 
     python step18_benchmark/steady.py                         # 5 runs each: gc as is, gc frozen
     python step18_benchmark/steady.py --runs 7 --requests 64 --variants default freeze
+    python step18_benchmark/steady.py --runs 3 --requests 64 --variants default thp
 
 A run is what a user starts: a new process builds the newest engine (lesson 16 + fast path) on
 the Qwen3-0.6B shape and serves the workload of lesson 14's benchmark (its first --requests).
@@ -19,6 +20,9 @@ Variants:
     freeze    gc.freeze() once the engine is built and warm (what vLLM does after start-up): the
               objects made by imports, Dynamo and inductor move to a permanent generation, so a
               full collection no longer walks them
+    thp       the process started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1: glibc's malloc
+              advises its large blocks (torch's tensors, oneDNN's packed weights) as 2 MB pages
+              (minivllm_support.cpu.huge_page_malloc_env)
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import sys
 import time
 from collections import defaultdict
 
-VARIANTS = ("default", "freeze")
+VARIANTS = ("default", "freeze", "thp")
 PARTS = ("schedule", "prepare_kv", "run_model", "compute_logits", "sampler", "after_step")
 
 
@@ -178,7 +182,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5, help="runs of each variant (alternating)")
     p.add_argument("--requests", type=int, default=16, help="the first N requests of the workload")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["default", "freeze"])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)    # a run, in this (fresh) process
@@ -188,6 +192,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(one_run(args.one, args.requests, args.seed, args.threads)))
         return
+    from minivllm_support import cpu
     from minivllm_support.cli import machine
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
     print(f"workload: lesson 14's first {args.requests} requests (Qwen3-0.6B shape, greedy, ignore_eos), "
@@ -202,7 +207,8 @@ def main() -> None:
         for variant in args.variants:
             cmd = [sys.executable, "-m", "step18_benchmark.steady", "--one", variant, "--requests", str(args.requests),
                    "--seed", str(args.seed), "--threads", str(args.threads)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
+            env = cpu.huge_page_malloc_env() if variant == "thp" else None
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if out.returncode != 0:
                 sys.exit(f"a run failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
             x = json.loads(out.stdout.strip().splitlines()[-1])

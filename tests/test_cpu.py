@@ -140,3 +140,13 @@ def test_bind_skips_what_the_library_does_not_export():
     assert kernel.bind(lib, "row_argmax_f32", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                                ctypes.c_void_p])
     assert not kernel.bind(lib, "no_such_kernel", [])
+
+
+def test_huge_page_malloc_env_adds_the_tunable_once():
+    """The environment vs_vllm.py and steady.py's thp variant start engines with: glibc's tunable
+    appended to whatever GLIBC_TUNABLES already holds, never twice."""
+    env = cpu.huge_page_malloc_env({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert cpu.huge_page_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert cpu.huge_page_malloc_env(env) == env
