@@ -35,6 +35,7 @@ def test_prefix_cached_equals_naive(smol_fp32, engine_workload):
     assert engine.scheduler.block_manager.hit_tokens > 0
 
 
+@pytest.mark.slow      # ~6 s; make test keeps the other prefix-cache equalities
 def test_shared_system_prompt_hits(smol_fp32, smol_tokenizer):
     prompts = [chat_prompt_ids(smol_tokenizer, q, system=SYSTEM) for q in
                ("When do you open?", "Are you open on Monday?", "Do you sell bread?")]
@@ -62,6 +63,7 @@ def test_prompt_entirely_cached_recomputes_last_token(smol_fp32, smol_tokenizer)
     assert first.output_token_ids == second.output_token_ids == ref
 
 
+@pytest.mark.slow      # ~6 s; make test keeps the other prefix-cache equalities
 def test_same_prefix_admitted_in_the_same_step(smol_fp32, smol_tokenizer):
     prompts = [chat_prompt_ids(smol_tokenizer, q, system=SYSTEM) for q in ("Hi!", "Hello!", "Hi!")]
     ref = _reference(smol_fp32, prompts, 8)

@@ -182,6 +182,7 @@ def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):
     assert lesson14_kernel.SOURCE.is_file()
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 @pytest.mark.parametrize("bs, D", [(16, 128), (64, 64), (8, 128)])

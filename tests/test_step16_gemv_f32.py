@@ -51,6 +51,7 @@ def test_gemv_f32_is_the_float32_matmul(M, N, K):
     assert ops.gemv(x, w, out=out) is out and torch.equal(out, y)
 
 
+@pytest.mark.slow
 def test_float32_linears_keep_a_bf16_copy_only_of_bf16_values(tiny_qwen3_dir):
     """Up to 4 rows take gemv_f32 (eager and through the op), more rows oneDNN's packed call;
     a model whose weights are not all bf16 values keeps no copy (it would change the numbers)."""
@@ -72,6 +73,7 @@ def test_float32_linears_keep_a_bf16_copy_only_of_bf16_values(tiny_qwen3_dir):
     assert calls == [1, 1, 4, 4], calls
 
 
+@pytest.mark.slow
 def test_float32_engine_with_bf16_values_gives_lesson15s_tokens(tiny_qwen3_dir):
     """The whole engine: logits of small steps from the head's bf16 copy, linears from gemv_f32,
     greedy tokens as lesson 15's engine gives them on the same model."""
