@@ -18,7 +18,7 @@
 // loops over float32 that the compiler vectorises for whatever -march/-mcpu it was given, the
 // rounding done with integer bit operations. kernel_isa() (isa.h) says which was built.
 // And gemv_bf16 (AVX-512 BF16 build only): a linear of one to four rows, read straight off the
-// weight's plain layout; gemv_f32 (gemv_f32.h, AVX2) the same for float32 rows. And, for any
+// weight's plain layout; gemm_f32 (gemm_f32.h, AVX2) float32 steps of any size. And, for any
 // CPU and dtype, write_kv: the step's K/V rows into the pool in one call, and row_argmax_f32:
 // the greedy token of each row of float32 logits (AVX-512 where the CPU has it).
 #include <cmath>
@@ -342,4 +342,4 @@ extern "C" void row_argmax_f32(const float* x, int64_t rows, int64_t cols, int64
   for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * row_stride, cols);
 }
 
-#include "gemv_f32.h"  // float32 rows against a weight stored as bf16 (AVX2 + FMA builds)
+#include "gemm_f32.h"  // float32 matmuls against weights packed in panels (AVX2 builds)

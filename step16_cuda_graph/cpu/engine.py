@@ -5,7 +5,9 @@ What changes against lesson 16 (`step16_cuda_graph.engine.build_engine`), on a C
     lesson 14's packing, then q|k|v and gate|up fused into one packed matmul each (fused.py),
     then the packed linears routed through our library op (ops.py) so that a packed model
     compiles, each bf16 one also kept in its plain layout for steps of one to four rows, which
-    our GEMV reads faster than oneDNN's call at that size (elementwise.cpp's gemv_bf16);
+    our GEMV reads faster than oneDNN's call at that size (elementwise.cpp's gemv_bf16), each
+    float32 one packed in panels for our float32 matmul (gemm_f32.h: on a CPU whose widest unit
+    is AVX2 it beats oneDNN's at every step size);
   - the runner is CpuGraphRunner (runner.py): decode buckets called without Dynamo, prompt
     steps through a dynamic compiled body, a packed LM head;
   - the sampler's greedy pick is one C pass over the float32 logits (`ops.row_argmax`);
@@ -36,8 +38,9 @@ class KernelSampler(Sampler):
 
 
 def cpu_fast_path(model: nn.Module, small_rows: bool = True) -> nn.Module:
-    """The model transforms of this lesson, in order; `model` is not changed. small_rows: steps
-    of one to four rows through gemv_bf16 on a plain copy of each weight (ops.OpPackedLinear)."""
+    """The model transforms of this lesson, in order; `model` is not changed. small_rows: our own
+    matmuls on a copy of each weight where they apply (ops.OpPackedLinear): gemv_bf16 for bf16
+    steps of one to four rows, gemm_f32 for float32 steps."""
     return route_packed_linears(fuse_projections(pack_linears(model), kernels=True), small_rows)
 
 

@@ -91,14 +91,18 @@ def prompts_apart(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Ten
     return out
 
 
-@library_op("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, Tensor? dense) -> Tensor",
-            fake=lambda x, packed_weight, bias, out_features, dense: x.new_empty(x.shape[0], out_features))
+@library_op("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, Tensor? ours) -> Tensor",
+            fake=lambda x, packed_weight, bias, out_features, ours: x.new_empty(x.shape[0], out_features))
 def packed_linear(x: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int,
-                  dense: Tensor | None) -> Tensor:
-    """x [N, in] @ W^T + b with W in oneDNN's blocked layout: lesson 14's call. With `dense` (the
-    same W in its plain layout, see OpPackedLinear) and a few rows: our GEMV on it instead."""
-    if dense is not None and x.shape[0] <= gemv_rows(x.dtype):
-        return gemv(x, dense)
+                  ours: Tensor | None) -> Tensor:
+    """x [N, in] @ W^T + b with W in oneDNN's blocked layout: lesson 14's call. With `ours` (our
+    own copy of W, see OpPackedLinear): gemm_f32 on its panels (3-D) for float32 steps of up
+    to gemm_f32_rows() rows, our GEMV on its plain layout (2-D) for a few bf16 rows."""
+    if ours is not None:
+        if ours.dim() == 3 and x.shape[0] <= gemm_f32_rows():
+            return gemm_f32(x, ours, out_features, bias)
+        if x.shape[0] <= gemv_rows(x.dtype):
+            return gemv(x, ours)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
@@ -109,26 +113,16 @@ def gemv_max_rows() -> int:
 
 
 def gemv_rows(dtype: torch.dtype) -> int:
-    """Most rows our GEMV takes for activations of `dtype`: gemv_bf16 for bf16, gemv_f32 (a
-    weight stored as bf16, gemv_f32.h) for float32; 0 where this build has none for it."""
-    lib = kernels_library()
-    if lib is None:
-        return 0
-    return {torch.bfloat16: lib.gemv_rows, torch.float32: lib.gemv_f32_rows}.get(dtype, 0)
+    """Most rows our GEMV takes for activations of `dtype`: gemv_bf16's for bf16; 0 for other
+    dtypes (float32 steps of any size go to gemm_f32 where the build has it)."""
+    return gemv_max_rows() if dtype == torch.bfloat16 else 0
 
 
 def gemv(x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """x [M, K] @ weight [N, K]^T for M <= gemv_rows(x.dtype), K % 32 == 0, weight bf16: in bf16
-    (gemv_bf16), or for float32 x in float32 with the weight widened (gemv_f32, float32 out).
-    out: a contiguous float32 [M, N] to write into instead (bf16 results widened)."""
+    """x [M, K] @ weight [N, K]^T for bf16 x of M <= gemv_rows(bf16) rows, K % 32 == 0, weight
+    bf16 (gemv_bf16). out: a contiguous float32 [M, N] to write into instead (results widened)."""
     x = x.contiguous()
     lib, (M, K), N = kernels_library(), x.shape, weight.shape[0]
-    if x.dtype == torch.float32:
-        y = x.new_empty(M, N) if out is None else out
-        if y.dtype != torch.float32 or y.shape != (M, N) or not y.is_contiguous():
-            raise ValueError(f"gemv out: a contiguous float32 [{M}, {N}], got {y.dtype} {tuple(y.shape)}")
-        lib.gemv_f32(x.data_ptr(), M, K, weight.data_ptr(), N, y.data_ptr())
-        return y
     if out is None:
         y = x.new_empty(M, N)
         lib.gemv_bf16(x.data_ptr(), M, K, weight.data_ptr(), N, y.data_ptr())
@@ -139,35 +133,92 @@ def gemv(x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
     return out
 
 
+# gemm_f32.h reads a panel's 16 bf16 as columns 0-3, 8-11, 4-7, 12-15 (see there).
+BF16_PANEL_ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def gemm_f32_rows() -> int:
+    """Most rows of a float32 step gemm_f32 takes in this build: every step where AVX2 is the
+    widest unit, steps of up to 4 rows where oneDNN has AVX-512; 0 where it is not built."""
+    lib = kernels_library()
+    return lib.gemm_f32_rows if lib is not None else 0
+
+
+def pack_f32(weight: Tensor) -> Tensor:
+    """A float32 weight [N, K] packed for gemm_f32: panels [ceil(N / 16), K, 16], column j of
+    panel p being output 16p + j (the last panel padded with zeros). As bf16 where every value
+    is a bf16 value (a bf16 checkpoint loaded as float32: the same numbers in half the bytes),
+    with each panel's columns in BF16_PANEL_ORDER; else as float32."""
+    N, K = weight.shape
+    padded = weight.new_zeros(-(-N // 16) * 16, K)
+    padded[:N] = weight
+    panels = padded.view(-1, 16, K).transpose(1, 2)
+    narrow = plain_bf16(weight)
+    if narrow is not None:
+        panels = panels[..., BF16_PANEL_ORDER].bfloat16()
+    return panels.contiguous()
+
+
+def gemm_f32(x: Tensor, panels: Tensor, out_features: int, bias: Tensor | None = None,
+             out: Tensor | None = None) -> Tensor:
+    """x [M, K] float32 @ W^T (+ bias) with W packed by pack_f32, any M; float32 [M, out]
+    (written into `out`, a contiguous float32 [M, out_features], when given)."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = x.new_empty(M, out_features) if out is None else out
+    if y.dtype != torch.float32 or y.shape != (M, out_features) or not y.is_contiguous():
+        raise ValueError(f"gemm_f32 out: a contiguous float32 [{M}, {out_features}], got {y.dtype} {tuple(y.shape)}")
+    if x.dtype != torch.float32 or panels.shape[1:] != (K, 16) or panels.shape[0] * 16 < out_features:
+        raise ValueError(f"gemm_f32: float32 x [M, {K}] and panels [{-(-out_features // 16)}, {K}, 16], "
+                         f"got {x.dtype} {tuple(x.shape)} and {tuple(panels.shape)}")
+    bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
+    kernels_library().gemm_f32(x.data_ptr(), M, K, panels.data_ptr(), int(panels.dtype == torch.bfloat16),
+                               out_features, bias_ptr, y.data_ptr())
+    return y
+
+
 class OpPackedLinear(PackedLinear):
     """Lesson 14's PackedLinear, called through the custom op (same weights, same numbers).
 
-    small_rows: also keep the weight in its plain [out, in] layout (memory: the weight once more)
-    and compute steps of at most gemv_rows() rows with our GEMV (a decode step of one to four
-    sequences: the case one conversation is); weights without bias, in_features % 32 == 0,
-    where the library has it: bf16 weights with gemv_bf16, float32 weights that are all bf16
-    values (a bf16 checkpoint run in float32) stored as bf16 with gemv_f32. `bench.py batch1`
-    and lesson 18's llamacpp_bench measure it."""
+    small_rows: also keep a copy of the weight in a layout our own kernels read (memory: the
+    weight once more, on 2 MB pages where the OS grants them), where the library has them:
+      bf16 weights      their plain [out, in] layout (`dense`): steps of at most gemv_rows() rows
+                        with gemv_bf16 (a decode step of one to four sequences: the case one
+                        conversation is); without bias, in_features % 32 == 0
+      float32 weights   gemm_f32's panels (`panels`, pack_f32; bf16 where the values are bf16
+                        values): float32 steps of up to gemm_f32_rows() rows (every step where
+                        AVX2 is the CPU's widest unit, up to 4 rows where it has AVX-512)
+    `bench.py batch1`, lesson 18's llamacpp_bench and `cpu/bench.py linears` measure them."""
 
     def __init__(self, packed: PackedLinear, small_rows: bool = True):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.packed, self.bias = packed.packed, packed.bias
-        self.dense = None
-        if small_rows and gemv_rows(packed.packed.dtype) > 0 and packed.bias is None and packed.in_features % 32 == 0:
+        self.dense = self.panels = None
+        dtype = packed.packed.dtype
+        if small_rows and dtype == torch.float32 and gemm_f32_rows() > 0:
+            self.panels = on_huge_pages(pack_f32(packed.packed.to_dense()))
+        elif small_rows and gemv_rows(dtype) > 0 and packed.bias is None and packed.in_features % 32 == 0:
             dense = plain_bf16(packed.packed.to_dense().contiguous())
-            if dense is not None:                   # on 2 MB pages where the OS grants them (huge_pages.py)
-                on_huge_pages = huge_page_copy(dense)
-                self.dense = dense if on_huge_pages is None else on_huge_pages
+            self.dense = None if dense is None else on_huge_pages(dense)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
         if not torch.compiler.is_compiling():       # eager: skip the op's dispatch cost (~us per call)
+            if self.panels is not None and x2.shape[0] <= gemm_f32_rows():
+                return gemm_f32(x2, self.panels, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
             if self.dense is not None and x2.shape[0] <= gemv_rows(x2.dtype):
                 return gemv(x2, self.dense).view(*x.shape[:-1], self.out_features)
             return super().forward(x)
-        y = packed_linear(x2, self.packed, self.bias, self.out_features, self.dense)
+        ours = self.panels if self.panels is not None else self.dense
+        y = packed_linear(x2, self.packed, self.bias, self.out_features, ours)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def on_huge_pages(t: Tensor) -> Tensor:
+    """`t` copied onto 2 MB pages where the OS grants them (huge_pages.py), else `t` itself."""
+    copy = huge_page_copy(t)
+    return t if copy is None else copy
 
 
 def plain_bf16(weight: Tensor) -> Tensor | None:
@@ -204,9 +255,9 @@ def kernels_library() -> ctypes.CDLL | None:
     if (bind(lib, "gemv_max_rows", [], i64) and bind(lib, "gemv_bf16", [ptr, i64, i64, ptr, i64, ptr])
             and bind(lib, "gemv_bf16_f32", [ptr, i64, i64, ptr, i64, ptr])):
         lib.gemv_rows = int(lib.gemv_max_rows())
-    lib.gemv_f32_rows = 0                             # gemv_f32: AVX2 builds (gemv_f32.h)
-    if bind(lib, "gemv_f32_max_rows", [], i64) and bind(lib, "gemv_f32", [ptr, i64, i64, ptr, i64, ptr]):
-        lib.gemv_f32_rows = int(lib.gemv_f32_max_rows())
+    lib.gemm_f32_rows = 0                             # gemm_f32: x86 builds with AVX2 (gemm_f32.h)
+    if bind(lib, "gemm_f32_max_rows", [], i64) and bind(lib, "gemm_f32", [ptr, i64, i64, ptr, i64, i64, ptr, ptr]):
+        lib.gemm_f32_rows = int(lib.gemm_f32_max_rows())
     lib.has_elementwise = (bind(lib, "elementwise_available", [], i64) and bool(lib.elementwise_available())
                            and bind(lib, "qk_norm_rope_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
                                                                ctypes.c_float, ptr, ptr])

@@ -29,9 +29,8 @@ from step14_batched_forward.packed_linear import PackedLinear, can_pack
 from step15_flash_attention.backends import AttentionBackend
 from step16_cuda_graph.runner import GraphRunner
 from step16_cuda_graph.cpu import decode_step
-from step16_cuda_graph.cpu.huge_pages import huge_page_copy
 from step16_cuda_graph.cpu.mixed import MixedStepRunner
-from step16_cuda_graph.cpu.ops import gemv, gemv_max_rows, gemv_rows, plain_bf16
+from step16_cuda_graph.cpu.ops import gemm_f32, gemm_f32_rows, gemv, gemv_max_rows, gemv_rows, on_huge_pages, pack_f32
 
 
 def module_tensors(module: nn.Module) -> dict[str, Tensor]:
@@ -122,9 +121,9 @@ class CpuGraphRunner(GraphRunner):
                  direct_calls: bool = True, compile_mixed: bool = True, small_rows: bool = True,
                  one_call: bool = True):
         """direct_calls=False: every call of a compiled body goes through Dynamo (for comparison).
-        compile_mixed=False: prompt steps run eagerly, as in lesson 16. small_rows: logits of
-        up to gemv_rows() rows by our GEMV on the head's plain weight (the embedding when tied;
-        in float32, its bf16 copy where exact), as ops.OpPackedLinear does for the layers' linears. one_call: buckets of
+        compile_mixed=False: prompt steps run eagerly, as in lesson 16. small_rows: logits by
+        our own kernels on a copy of the head's weight (the embedding when tied), as
+        ops.OpPackedLinear does for the layers' linears. one_call: buckets of
         up to gemv_max_rows() rows run every layer in one C call (decode_step.py) where the
         model fits it; False: they are compiled like the others."""
         super().__init__(model, pool, attention, max_batch, scratch_block)
@@ -142,17 +141,18 @@ class CpuGraphRunner(GraphRunner):
         self.mixed = MixedStepRunner(model, pool) if compile_mixed else None
         self.lm_head = packed_lm_head(model)
         self._logits: Tensor | None = None       # float32 [rows, vocab], reused by every step
-        self.head_plain = self.lm_head.weight_plain if small_rows and self.lm_head is not None else None
-        if self.head_plain is not None and gemv_rows(self.head_plain.dtype) and self.head_plain.shape[1] % 32 == 0:
-            self.head_plain = plain_bf16(self.head_plain)   # float32: a bf16 copy where exact, else None
-        else:
-            self.head_plain = None
-        if self.head_plain is not None:
-            # A copy on 2 MB pages where the OS grants them: a small step streams the whole head
-            # (vocab x hidden, a quarter of Qwen3-0.6B's bytes), faster without a TLB miss every
-            # 4 KB. Costs the head's size once more; elsewhere the embedding is read in place.
-            on_huge_pages = huge_page_copy(self.head_plain)
-            self.head_plain = self.head_plain if on_huge_pages is None else on_huge_pages
+        # Our own kernels for the head (small_rows), as ops.OpPackedLinear has for the layers'
+        # linears: float32 logits by gemm_f32 on a packed copy (steps of up to gemm_f32_rows()
+        # rows; the rest by the packed oneDNN head); bf16 steps of up to
+        # gemv_rows() rows by gemv_bf16 on the plain weight. The copies are on 2 MB pages where
+        # the OS grants them: a small step streams the whole head (vocab x hidden, a quarter of
+        # Qwen3-0.6B's bytes), faster without a TLB miss every 4 KB.
+        self.head_plain = self.head_panels = None
+        weight = self.lm_head.weight_plain if small_rows and self.lm_head is not None else None
+        if weight is not None and weight.dtype == torch.float32 and gemm_f32_rows() > 0:
+            self.head_panels = on_huge_pages(pack_f32(weight))
+        elif weight is not None and gemv_rows(weight.dtype) and weight.shape[1] % 32 == 0:
+            self.head_plain = on_huge_pages(weight)
 
     def warm_up(self) -> float:
         """Record every bucket and compile the prompt-step body before serving; seconds."""
@@ -171,12 +171,14 @@ class CpuGraphRunner(GraphRunner):
         if self._logits is None or self._logits.shape[0] < n:
             self._logits = torch.empty(max(n, self.buckets[-1]), vocab)
         # Valid until the next compute_logits (callers use the logits within the step).
+        if self.head_panels is not None and n <= gemm_f32_rows():
+            return gemm_f32(hidden, self.head_panels, vocab, out=self._logits[:n])
         if self.head_plain is not None and n <= gemv_rows(hidden.dtype):
             # Our GEMV on the plain weight, streamed in order, straight into the float32 buffer.
             return gemv(hidden, self.head_plain, out=self._logits[:n])
         logits = self.lm_head(hidden)
-        # float32 (an AVX2 CPU): the head's own output is the float32 logits; copying it into
-        # the buffer would only add a pass over them (39 MB at 64 rows of Qwen3's vocabulary).
+        # float32 (oneDNN's head): its own output is the float32 logits; copying it into the
+        # buffer would only add a pass over them (39 MB at 64 rows of Qwen3's vocabulary).
         return logits if logits.dtype == torch.float32 else self._logits[:n].copy_(logits)
 
     def decode(self, b: int) -> Tensor:
