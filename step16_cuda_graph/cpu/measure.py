@@ -22,13 +22,14 @@ def phase_workloads(seed: int) -> dict[str, tuple[list[list[int]], list[int]]]:
 FUSED_PROJECTIONS = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 
 
-def projection_ms(weights: list, shapes: list[tuple[int, int]], call, rows: int, passes: int = 5) -> float:
+def projection_ms(weights: list, shapes: list[tuple[int, int]], call, rows: int, passes: int = 5,
+                  dtype=None) -> float:
     """Median milliseconds of one pass over `weights` (layer after layer, each layer's weights
     shaped as `shapes` (out, in); 28 layers: out of cache), each called as call(w, x) on a
-    [rows, in] bf16 input; one untimed pass first."""
+    [rows, in] input of `dtype` (bf16 by default); one untimed pass first."""
     import statistics
     import torch
-    xs = {k: torch.randn(rows, k).bfloat16() for _, k in shapes}
+    xs = {k: torch.randn(rows, k).to(dtype or torch.bfloat16) for _, k in shapes}
     ins = [k for _, k in shapes] * (len(weights) // len(shapes))
     times = []
     for i in range(passes + 1):
