@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,6 +170,7 @@ def run_ops(data, n_ops: int) -> int:
     return bm.num_copies
 
 
+@pytest.mark.slow          # ~7 s: CI runs it (make test-slow)
 @settings(max_examples=50, deadline=None)
 @given(st.data())
 def test_block_manager_properties(data):

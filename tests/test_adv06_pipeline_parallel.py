@@ -118,6 +118,7 @@ def test_stage_loader_is_strict(tmp_path, tiny4):
 
 
 # ---- engines: the tokens of one process ------------------------------------------------------
+@pytest.mark.slow          # ~5 s: CI runs it (make test-slow)
 def test_pp3_equals_single_process_on_tiny_with_micro_batches_in_flight(tiny4, no_leftovers):
     """3 stages (one in the middle), 1, 2 and 4 micro-batches, chunked prefill (16-token budget)."""
     prompts = _prompts(512, (3, 40, 17, 64, 9, 30))

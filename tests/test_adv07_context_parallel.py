@@ -94,6 +94,7 @@ def test_flash_chunk_equals_the_math_with_its_lse():
 
 
 # ---- engines: the single-process engine's K/V and tokens ----------------------------------------
+@pytest.mark.slow          # ~8 s: CI runs it (make test-slow)
 def test_cp2_and_cp3_leave_the_single_process_kv_and_tokens(tiny_qwen3_dir, tmp_path, no_leftovers):
     prompt = _prompt(203, 512)                       # not a multiple of 4 or 6 chunks
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
