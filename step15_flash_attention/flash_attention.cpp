@@ -66,7 +66,8 @@ inline void prefetch_l2(const T* p, int64_t n) {  // lesson 14's prefetch, into 
 }
 
 struct Item {
-  int64_t b, h, i0, n;  // n == 0: a decode
+  int64_t b, h, i0, n;  // n == 0: a decode, of KV heads h .. h + nh - 1
+  int64_t nh = 1;
 };
 
 struct Args {
@@ -215,7 +216,8 @@ inline void online_rescale(float* m, float* l, float* s, int64_t cnt, int64_t bs
 
 // One decode: the single query row of each of the `group` heads, block by block, online.
 template <typename T>
-void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, int64_t b, int64_t h, Scratch& w) {
+void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, int64_t b, int64_t h, int64_t nh,
+                 Scratch& w) {  // nh > 1 only where the fused float32 item runs (decode_f32_heads)
   const int64_t D = a.D, bs = a.bs, group = a.group, len = a.lens[b], row = a.cu[b];
   const int64_t* table = a.tables + b * a.max_blocks;
   const T* qh = q + (row * a.hkv + h) * group * D;
@@ -235,8 +237,8 @@ void decode_item(const T* q, const T* kp, const T* vp, T* out, const Args& a, in
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float>) {
     if (const FusedDecodeF32Fn fused = fused_decode_f32_fn(group, D)) {
-      fused(qh, kp, vp, table, len, bs, a.hkv, h, a.scale, acc, w.l);
-      for (int64_t g = 0; g < group; ++g)
+      fused(qh, kp, vp, table, len, bs, a.hkv, h, nh, a.scale, acc, w.l);
+      for (int64_t g = 0; g < nh * group; ++g)
         for (int64_t d = 0; d < D; ++d) store(&o[g * D + d], acc[g * D + d] / w.l[g]);
       return;
     }
@@ -285,11 +287,13 @@ template <typename T>
 void flash(const T* q, const T* kp, const T* vp, T* out, const Args& a, int64_t B, int64_t q_tile) {
   // Most expensive first (prefill tiles late in long sequences), so the threads finish together.
   std::vector<std::pair<int64_t, Item>> work;
+  const int64_t nh = std::is_same_v<T, float> ? decode_f32_heads(a.hkv, a.group, a.D, B) : 1;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q0 = a.cu[b], n = a.cu[b + 1] - q0;
     for (int64_t h = 0; h < a.hkv; ++h) {
       if (n == 1) {
-        work.push_back({a.lens[b], Item{b, h, q0, 0}});
+        const int64_t k = std::min(nh, a.hkv - h);
+        if (h % nh == 0) work.push_back({a.lens[b] * k, Item{b, h, q0, 0, k}});
         continue;
       }
       for (int64_t i0 = q0; i0 < q0 + n; i0 += q_tile) {
@@ -308,7 +312,7 @@ void flash(const T* q, const T* kp, const T* vp, T* out, const Args& a, int64_t 
     for (int64_t i = 0; i < num; ++i) {
       const Item& it = work[i].second;
       if (it.n == 0)
-        decode_item(q, kp, vp, out, a, it.b, it.h, w);
+        decode_item(q, kp, vp, out, a, it.b, it.h, it.nh, w);
       else
         prefill_item(q, kp, vp, out, a, it, tiles, w);
     }

@@ -107,6 +107,17 @@ class AttentionClock:
         self.ops.flash_attention_cpu = self.inner
 
 
+def steal_seconds() -> float:
+    """CPU time the hypervisor gave to others while this machine's CPUs wanted it (/proc/stat's
+    steal column, all CPUs), in seconds; 0 where the kernel does not report it."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def one_run(variant: str, requests: int, seed: int, threads: int) -> dict:
     import torch
     import torch._dynamo.utils
@@ -118,6 +129,7 @@ def one_run(variant: str, requests: int, seed: int, threads: int) -> dict:
     from step12_paged_attention.scheduler import PagedSchedulerConfig
     from step14_batched_forward.bench import QWEN3_06B_SHAPE
     from step16_cuda_graph.cpu.engine import build_engine
+    from step16_cuda_graph.cpu.huge_pages import huge_page_bytes
 
     torch.set_num_threads(threads)
     torch.set_grad_enabled(False)
@@ -141,6 +153,7 @@ def one_run(variant: str, requests: int, seed: int, threads: int) -> dict:
     recompiles0 = sum(torch._dynamo.utils.counters["recompiles"].values())
     graphs0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    steal0 = steal_seconds()
     steps: list[float] = []
     t0 = time.perf_counter()
     for p, m in zip(prompts, outs):
@@ -154,6 +167,7 @@ def one_run(variant: str, requests: int, seed: int, threads: int) -> dict:
     attention.undo()
     secs = time.perf_counter() - t0
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    steal = steal_seconds() - steal0
     gc.callbacks.remove(clock)
     parts = {k: totals[k] for k in PARTS}
     steps.sort()
@@ -169,6 +183,7 @@ def one_run(variant: str, requests: int, seed: int, threads: int) -> dict:
         "new_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs0,
         "minor_faults": usage1.ru_minflt - usage0.ru_minflt, "major_faults": usage1.ru_majflt - usage0.ru_majflt,
         "forced_switches": usage1.ru_nivcsw - usage0.ru_nivcsw,
+        "steal_secs": steal, "huge_mb": huge_page_bytes() / 2**20,
         "cpu_secs": (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime),
     }
 
@@ -200,7 +215,7 @@ def main() -> None:
     head = (f"{'run':>3} {'variant':8} {'tok/s':>6} {'steps':>5} {'sched':>6} {'kv':>5} {'model':>6} {'head':>5} "
             f"{'sample':>6} {'after':>5} {'python':>6} {'p50ms':>6} {'p99ms':>6} {'maxms':>6} {'gc s':>5} "
             f"{'gc max':>6} {'recomp':>6} {'graphs':>6} {'minflt':>7} {'forced':>6} {'prompt':>6} {'decode':>6} "
-            f"{'attn p':>6} {'attn d':>6}")
+            f"{'attn p':>6} {'attn d':>6} {'cpu':>5} {'steal':>5} {'hugeMB':>6}")
     print(head)
     results: dict[str, list[dict]] = defaultdict(list)
     for r in range(args.runs):
@@ -220,9 +235,12 @@ def main() -> None:
                   f"{x['step_ms']['max']:6.1f} {x['gc']['seconds']:5.2f} {x['gc']['longest_ms']:6.1f} "
                   f"{x['recompiles']:6d} {x['new_graphs']:6d} {x['minor_faults']:7d} {x['forced_switches']:6d} "
                   f"{x['kinds'].get('prompt', 0):6.1f} {x['kinds'].get('decode', 0):6.1f} "
-                  f"{x['attention']['prompt']:6.1f} {x['attention']['decode']:6.1f}", flush=True)
+                  f"{x['attention']['prompt']:6.1f} {x['attention']['decode']:6.1f} "
+                  f"{x['cpu_secs'] / x['secs']:5.2f} {x['steal_secs']:5.1f} {x['huge_mb']:6.0f}", flush=True)
     print("\n(seconds per run for each part of the step; gc: all pauses, and the longest in ms; prompt / decode: "
-          "seconds in steps with prompt rows / in decode-only steps; attn p / attn d: of those, in lesson 15's kernel)")
+          "seconds in steps with prompt rows / in decode-only steps; attn p / attn d: of those, in lesson 15's kernel; "
+          "cpu: the process's CPU seconds per second of the run; steal: seconds the hypervisor ran others on this "
+          "machine's CPUs (all CPUs); hugeMB: the process's memory on 2 MB pages at the end)")
     for variant, xs in results.items():
         print(f"{variant:8}: output tok/s {spread([x['tok_s'] for x in xs])}; dtype {xs[0]['dtype']}")
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

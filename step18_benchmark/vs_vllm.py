@@ -62,10 +62,10 @@ def run(cmd: list[str], what: str) -> dict:
     return last_json(stdout)
 
 
-def ours(requests: int, seed: int) -> tuple[float, str]:
-    x = run([sys.executable, "-m", "step18_benchmark.steady", "--one", "default", "--requests", str(requests),
-             "--seed", str(seed)], "our run")
-    return x["tok_s"], x["dtype"]
+def ours(requests: int, seed: int) -> dict:
+    """steady.py's record of one run: tok/s, dtype, the model's seconds, memory on 2 MB pages, steal."""
+    return run([sys.executable, "-m", "step18_benchmark.steady", "--one", "default", "--requests", str(requests),
+                "--seed", str(seed)], "our run")
 
 
 def vllm(requests: int, seed: int, dtype: str) -> dict:
@@ -153,15 +153,19 @@ def main() -> None:
     mine: list[float] = []
     theirs: dict[str, list[float]] = {d: [] for d in args.vllm_dtypes}
     dtype, version = "?", "?"
-    print(f"{'round':>5} {'ours':>7} " + " ".join(f"{'vLLM ' + d:>15}" for d in args.vllm_dtypes))
+    print(f"{'round':>5} {'ours':>7} " + " ".join(f"{'vLLM ' + d:>15}" for d in args.vllm_dtypes)
+          + f"   {'ours: model s':>13} {'2 MB pages GB':>13} {'steal s':>7}")
     for r in range(args.rounds):
-        tok_s, dtype = ours(args.requests, args.seed)
-        mine.append(tok_s)
+        x = ours(args.requests, args.seed)
+        mine.append(x["tok_s"])
+        dtype, detail = x["dtype"], (f"   {x['parts']['run_model']:13.1f} {x.get('huge_mb', 0) / 1024:13.1f} "
+                                     f"{x.get('steal_secs', 0):7.1f}")
         for d in args.vllm_dtypes:
             x = vllm(args.requests, args.seed, d)
             theirs[d].append(x["workload_tok_s"])
             version = x["vllm_version"]
-        print(f"{r + 1:5d} {tok_s:7.1f} " + " ".join(f"{theirs[d][-1]:15.1f}" for d in args.vllm_dtypes), flush=True)
+        print(f"{r + 1:5d} {mine[-1]:7.1f} " + " ".join(f"{theirs[d][-1]:15.1f}" for d in args.vllm_dtypes) + detail,
+              flush=True)
     best = max(theirs, key=lambda d: statistics.median(theirs[d]))
     print(f"\nours (lesson 16 + CPU fast path, {dtype}): output tok/s {spread(mine)}")
     for d, xs in theirs.items():
