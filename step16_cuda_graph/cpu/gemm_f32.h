@@ -11,8 +11,7 @@
 // loads 16 weights and 6 inputs for 12 FMAs, and every load is a sequential stream (a panel is
 // K x 16 contiguous values, x is repacked per call into the same k-after-k order). Run as a
 // dot product over the plain [N, K] layout instead (gemv_bf16's walk), 4 rows x 3 columns of
-// sums take 7 loads per 12 FMAs, from rows 4 KB apart that share L1 sets: ~0.65x of the FMA
-// peak here against ~0.85x for the panels.
+// sums take 7 loads per 12 FMAs, from rows 4 KB apart that share L1 sets.
 //
 // Weights that hold bf16 values (a bf16 checkpoint run in float32, what an AVX2 CPU does) are
 // packed as bf16: half the bytes, widened exactly in registers. Within a panel's 16 bf16 the
