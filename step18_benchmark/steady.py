@@ -114,7 +114,7 @@ def steal_seconds() -> float:
         with open("/proc/stat") as f:
             fields = f.readline().split()
         return int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+    except (OSError, IndexError, ValueError, AttributeError):     # AttributeError: no os.sysconf
         return 0.0
 
 

@@ -156,10 +156,10 @@ def main() -> None:
     print(f"{'round':>5} {'ours':>7} " + " ".join(f"{'vLLM ' + d:>15}" for d in args.vllm_dtypes)
           + f"   {'ours: model s':>13} {'2 MB pages GB':>13} {'steal s':>7}")
     for r in range(args.rounds):
-        x = ours(args.requests, args.seed)
-        mine.append(x["tok_s"])
-        dtype, detail = x["dtype"], (f"   {x['parts']['run_model']:13.1f} {x.get('huge_mb', 0) / 1024:13.1f} "
-                                     f"{x.get('steal_secs', 0):7.1f}")
+        record = ours(args.requests, args.seed)
+        mine.append(record["tok_s"])
+        dtype, detail = record["dtype"], (f"   {record['parts']['run_model']:13.1f} {record['huge_mb'] / 1024:13.1f} "
+                                        f"{record['steal_secs']:7.1f}")
         for d in args.vllm_dtypes:
             x = vllm(args.requests, args.seed, d)
             theirs[d].append(x["workload_tok_s"])

@@ -195,11 +195,13 @@ def test_float32_decodes_over_long_contexts(group, bs, D):
 
 
 @needs_kernel
-@pytest.mark.parametrize("Hkv, B", [(8, 3), (8, 16), (3, 6), (2, 1)])
+@pytest.mark.parametrize("Hkv, B", [(8, 3), (8, 64), (3, 6), (2, 1)])
 def test_float32_decodes_of_several_heads_an_item(Hkv, B):
     """Many decodes in one step: a float32 decode item takes several KV heads of a sequence,
-    block after block (decode_f32_heads: 3 + 3 + 2 heads of 8 over 3 sequences, all 8 over 16,
-    a last group of fewer heads); one sequence alone keeps one head an item."""
+    block after block. How many depends on the threads (decode_f32_heads): with 2, 8 heads over
+    3 sequences go 3 + 3 + 2 and 3 heads over 6 go 2 + 1 (a last group of fewer heads); 8 over
+    64 sequences go all 8 together with up to 16 threads; one sequence alone keeps one head an
+    item."""
     lens = [1 + (37 * i) % 300 for i in range(B)]
     case = random_paged_case([1] * B, lens, Hkv, 2, 16, 128, torch.float32, seed=B)
     torch.testing.assert_close(flash_attention_cpu(*case), reference_attention(*case), atol=1e-5, rtol=1e-5)
