@@ -146,7 +146,7 @@ struct Bf16Tiles {
       pair_rows(vrow, nk, D, vpairs());
       pv_tile_bf16(ppairs(), vpairs(), (nk + 1) / 2, M, D, acc);
     } else {
-      widen_rows(vrow, nk, D, w.vf.data());
+      widen_slices(vrow, nk, D, w.vf.data());
       pv_tile(p, w.vf.data(), nk, M, D, acc);
     }
   }

@@ -2,7 +2,8 @@
 // tiles are widened to float32 once per tile (exact), then
 //   S^T = K Q^T   computed transposed, [keys, rows]: the rows of the query tile sit in the 16
 //                 lanes of a register, each key element is broadcast to all of them;
-//   acc += P V    4 rows x 64 columns of the accumulator stay in registers over the key tile.
+//   acc += P V    rows x columns of the accumulator stay in registers over the key tile (4 x 64
+//                 on AVX-512, 6 x 16 on AVX2), V widened into 16-column slices read in order.
 // Included by flash_attention.cpp inside its namespace (it uses Scratch and to_f32).
 // prefill_bf16.h does the same products with bf16 dot products, where those are faster.
 
@@ -12,6 +13,9 @@
 // pieces, and lesson 15's prompt attention ran 20x slower than its AVX-512 build (baseline
 // mode, 512-token prompt: 190 vs 8.5 ms a layer, one-off; lesson 15's README has the figures
 // of `bench.py kernel`).
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__)
 typedef float vnative __attribute__((vector_size(64), aligned(4)));
 #elif defined(__AVX__)
@@ -31,20 +35,27 @@ inline vec16 load16(const float* x) {
 inline void store16(float* x, const vec16& v) {
   for (int i = 0; i < kPieces; ++i) *reinterpret_cast<vnative*>(x + i * kLanes) = v.p[i];
 }
-inline vec16& operator+=(vec16& a, const vec16& b) {
-  for (int i = 0; i < kPieces; ++i) a.p[i] += b.p[i];
-  return a;
-}
-inline vec16 operator*(float k, const vec16& b) {
-  vec16 r;
-  for (int i = 0; i < kPieces; ++i) r.p[i] = k * b.p[i];
-  return r;
+// acc += k * b as one fused multiply-add per piece. Written as `acc += k * b` on vec16, the
+// -ffast-math of lesson 14's flags let GCC reassociate a micro-tile's chains on AVX2 (two keys'
+// products summed first, then added to acc): a multiply, an FMA and an add where two FMAs do,
+// and accumulators spilled to the stack.
+inline void fma16(vec16& acc, float k, const vec16& b) {
+#if defined(__AVX512F__)
+  const __m512 kv = _mm512_set1_ps(k);
+  for (int i = 0; i < kPieces; ++i) acc.p[i] = vnative(_mm512_fmadd_ps(kv, __m512(b.p[i]), __m512(acc.p[i])));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 kv = _mm256_set1_ps(k);
+  for (int i = 0; i < kPieces; ++i) acc.p[i] = vnative(_mm256_fmadd_ps(kv, __m256(b.p[i]), __m256(acc.p[i])));
+#else
+  for (int i = 0; i < kPieces; ++i) acc.p[i] += k * b.p[i];
+#endif
 }
 
 // How many vec16 a micro-tile keeps in registers. AVX-512 has 32 registers of 16 floats:
 // scores hold 6 keys x 4 vectors of rows, P V 4 rows x 4 vectors of columns. AVX2 has 16
-// registers of 8 floats and NEON 32 of 4: there 6 keys x 1 vector and 4 rows x 1 vector fit.
-// Each output element sees the same FMAs in the same order either way.
+// registers of 8 floats and NEON 32 of 4: there 6 keys x 1 vector and 6 rows x 1 vector fit
+// (12 of AVX2's registers for the sums, 2 for the loaded vector, 1 for the broadcast). Each
+// output element sees the same FMAs in the same order either way.
 #if defined(__AVX512F__)
 constexpr int kRowVectors = 4, kColVectors = 4;
 #else
@@ -67,7 +78,7 @@ inline void scores_micro(const float* kf, const float* qt, int64_t M, int64_t D,
     for (int v = 0; v < MV; ++v) qv[v] = load16(qt + d * M + 16 * v);
     for (int r = 0; r < NR; ++r) {
       const float kd = kf[r * D + d];  // broadcast one key element to all 16 rows
-      for (int v = 0; v < MV; ++v) acc[r][v] += kd * qv[v];
+      for (int v = 0; v < MV; ++v) fma16(acc[r][v], kd, qv[v]);
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -93,35 +104,56 @@ void scores_tile(const float* kf, int64_t n, const float* qt, int64_t M, int64_t
   }
 }
 
-// acc[m][d] += sum_k P[k][m] V[k][d] for 4 rows x DV*16 columns, kept in registers over the keys.
-template <int DV>
-inline void pv_micro(const float* p, const float* vf, int64_t n, int64_t M, int64_t D, float* acc) {
-  vec16 c[4][DV];
-  for (int r = 0; r < 4; ++r)
+// acc[m][d] += sum_k P[k][m] V[k][d] for R rows x DV*16 columns, kept in registers over the keys.
+// vs: V in 16-column slices, [D / 16][n][16] (widen_slices), from the first of the DV slices.
+template <int DV, int R = 4>
+inline void pv_micro(const float* p, const float* vs, int64_t n, int64_t M, int64_t D, float* acc) {
+  vec16 c[R][DV];
+  for (int r = 0; r < R; ++r)
     for (int v = 0; v < DV; ++v) c[r][v] = load16(acc + r * D + 16 * v);
   for (int64_t k = 0; k < n; ++k) {
     vec16 vv[DV];
-    for (int v = 0; v < DV; ++v) vv[v] = load16(vf + k * D + 16 * v);
-    for (int r = 0; r < 4; ++r) {
+    for (int v = 0; v < DV; ++v) vv[v] = load16(vs + (v * n + k) * 16);
+    for (int r = 0; r < R; ++r) {
       const float pk = p[k * M + r];
-      for (int v = 0; v < DV; ++v) c[r][v] += pk * vv[v];
+      for (int v = 0; v < DV; ++v) fma16(c[r][v], pk, vv[v]);
     }
   }
-  for (int r = 0; r < 4; ++r)
+  for (int r = 0; r < R; ++r)
     for (int v = 0; v < DV; ++v) store16(acc + r * D + 16 * v, c[r][v]);
 }
 
-void pv_tile(const float* p, const float* vf, int64_t n, int64_t M, int64_t D, float* acc) {
-  // Columns outer, rows inner: one 64-column slice of V (16 KB for 64 keys) stays in L1 while
-  // every row uses it. M is a multiple of 16, so rows go 4 at a time (padded rows are harmless).
+// n pool rows -> V in 16-column slices: the first D16 = D / 16 * 16 columns as [D16 / 16][n][16],
+// then the columns past them (head_dim not a multiple of 16) as [n][D - D16].
+template <typename T>
+void widen_slices(const T* const* rows, int64_t n, int64_t D, float* dst) {
+  const int64_t D16 = D / 16 * 16, rest = D - D16;
+  for (int64_t k = 0; k < n; ++k) {
+    for (int64_t d0 = 0; d0 < D16; d0 += 16)
+#pragma omp simd
+      for (int64_t d = 0; d < 16; ++d) dst[(d0 / 16 * n + k) * 16 + d] = to_f32(rows[k][d0 + d]);
+    for (int64_t d = 0; d < rest; ++d) dst[D16 * n + k * rest + d] = to_f32(rows[k][D16 + d]);
+  }
+}
+
+void pv_tile(const float* p, const float* vs, int64_t n, int64_t M, int64_t D, float* acc) {
+  // Columns outer, rows inner: one slice of V stays in L1 while every row uses it, read in
+  // order (a slice's 16 columns of key k, then of key k + 1, 64 bytes on; in the pool's layout
+  // rows are D floats apart, 512 bytes at D = 128, and fall on a few of L1's sets). M is a
+  // multiple of 16: rows go 6 at a time, then 4 or 2 (padded rows are harmless).
+  const int64_t D16 = D / 16 * 16;
   int64_t d0 = 0;
-  for (; kColVectors == 4 && d0 + 64 <= D; d0 += 64)
-    for (int64_t m0 = 0; m0 < M; m0 += 4) pv_micro<4>(p + m0, vf + d0, n, M, D, acc + m0 * D + d0);
-  for (; d0 + 16 <= D; d0 += 16)
-    for (int64_t m0 = 0; m0 < M; m0 += 4) pv_micro<1>(p + m0, vf + d0, n, M, D, acc + m0 * D + d0);
+  for (; kColVectors == 4 && d0 + 64 <= D16; d0 += 64)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) pv_micro<4>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
+  for (; d0 < D16; d0 += 16) {
+    int64_t m0 = 0;
+    for (; m0 + 6 <= M; m0 += 6) pv_micro<1, 6>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
+    for (; m0 + 4 <= M; m0 += 4) pv_micro<1, 4>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
+    for (; m0 < M; m0 += 2) pv_micro<1, 2>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
+  }
   for (; d0 < D; ++d0)  // head_dim not a multiple of 16: the last columns one by one
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < n; ++k) acc[m * D + d0] += p[k * M + m] * vf[k * D + d0];
+      for (int64_t k = 0; k < n; ++k) acc[m * D + d0] += p[k * M + m] * vs[D16 * n + k * (D - D16) + d0 - D16];
 }
 
 // The tile products as prefill_tile calls them: Q^T once per tile, then per key tile S^T from
@@ -141,7 +173,7 @@ struct F32Tiles {
     scores_tile(w.kf.data(), nk, w.qt.data(), M, D, s);
   }
   void pv(const float* p, const T* const* vrow, int64_t nk, float* acc) {
-    widen_rows(vrow, nk, D, w.vf.data());
+    widen_slices(vrow, nk, D, w.vf.data());
     pv_tile(p, w.vf.data(), nk, M, D, acc);
   }
 };
