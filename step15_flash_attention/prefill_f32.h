@@ -2,7 +2,7 @@
 // tiles are widened to float32 once per tile (exact), then
 //   S^T = K Q^T   computed transposed, [keys, rows]: the rows of the query tile sit in the 16
 //                 lanes of a register, each key element is broadcast to all of them;
-//   acc += P V    rows x columns of the accumulator stay in registers over the key tile (4 x 64
+//   acc += P V    rows x columns of the accumulator stay in registers over the key tile (6 x 32
 //                 on AVX-512, 6 x 16 on AVX2), V widened into 16-column slices read in order.
 // Included by flash_attention.cpp inside its namespace (it uses Scratch and to_f32).
 // prefill_bf16.h does the same products with bf16 dot products, where those are faster.
@@ -52,12 +52,13 @@ inline void fma16(vec16& acc, float k, const vec16& b) {
 }
 
 // How many vec16 a micro-tile keeps in registers. AVX-512 has 32 registers of 16 floats:
-// scores hold 6 keys x 4 vectors of rows, P V 4 rows x 4 vectors of columns. AVX2 has 16
-// registers of 8 floats and NEON 32 of 4: there 6 keys x 1 vector and 6 rows x 1 vector fit
-// (12 of AVX2's registers for the sums, 2 for the loaded vector, 1 for the broadcast). Each
-// output element sees the same FMAs in the same order either way.
+// scores hold 6 keys x 4 vectors of rows, P V 6 rows x 2 vectors of columns (4 rows x 4
+// vectors ran P V 1.12x-1.24x slower on a Zen 4 core). AVX2 has 16 registers of 8 floats and
+// NEON 32 of 4: there 6 keys x 1 vector and 6 rows x 1 vector fit (12 of AVX2's registers for
+// the sums, 2 for the loaded vector, 1 for the broadcast). Each output element sees the same
+// FMAs in the same order either way.
 #if defined(__AVX512F__)
-constexpr int kRowVectors = 4, kColVectors = 4;
+constexpr int kRowVectors = 4, kColVectors = 2;
 #else
 constexpr int kRowVectors = 1, kColVectors = 1;
 #endif
@@ -106,7 +107,7 @@ void scores_tile(const float* kf, int64_t n, const float* qt, int64_t M, int64_t
 
 // acc[m][d] += sum_k P[k][m] V[k][d] for R rows x DV*16 columns, kept in registers over the keys.
 // vs: V in 16-column slices, [D / 16][n][16] (widen_slices), from the first of the DV slices.
-template <int DV, int R = 4>
+template <int DV, int R>
 inline void pv_micro(const float* p, const float* vs, int64_t n, int64_t M, int64_t D, float* acc) {
   vec16 c[R][DV];
   for (int r = 0; r < R; ++r)
@@ -136,21 +137,24 @@ void widen_slices(const T* const* rows, int64_t n, int64_t D, float* dst) {
   }
 }
 
+// acc += P V for every row (6 at a time, then 4 or 2: M is a multiple of 16; padded rows are
+// harmless) over the columns d0 .. d0 + 16 * DV - 1.
+template <int DV>
+void pv_rows(const float* p, const float* vs, int64_t n, int64_t M, int64_t D, int64_t d0, float* acc) {
+  int64_t m0 = 0;
+  for (; m0 + 6 <= M; m0 += 6) pv_micro<DV, 6>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
+  for (; m0 + 4 <= M; m0 += 4) pv_micro<DV, 4>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
+  for (; m0 < M; m0 += 2) pv_micro<DV, 2>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
+}
+
 void pv_tile(const float* p, const float* vs, int64_t n, int64_t M, int64_t D, float* acc) {
   // Columns outer, rows inner: one slice of V stays in L1 while every row uses it, read in
   // order (a slice's 16 columns of key k, then of key k + 1, 64 bytes on; in the pool's layout
-  // rows are D floats apart, 512 bytes at D = 128, and fall on a few of L1's sets). M is a
-  // multiple of 16: rows go 6 at a time, then 4 or 2 (padded rows are harmless).
+  // rows are D floats apart, 512 bytes at D = 128, and fall on a few of L1's sets).
   const int64_t D16 = D / 16 * 16;
   int64_t d0 = 0;
-  for (; kColVectors == 4 && d0 + 64 <= D16; d0 += 64)
-    for (int64_t m0 = 0; m0 < M; m0 += 4) pv_micro<4>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
-  for (; d0 < D16; d0 += 16) {
-    int64_t m0 = 0;
-    for (; m0 + 6 <= M; m0 += 6) pv_micro<1, 6>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
-    for (; m0 + 4 <= M; m0 += 4) pv_micro<1, 4>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
-    for (; m0 < M; m0 += 2) pv_micro<1, 2>(p + m0, vs + d0 * n, n, M, D, acc + m0 * D + d0);
-  }
+  for (; d0 + 16 * kColVectors <= D16; d0 += 16 * kColVectors) pv_rows<kColVectors>(p, vs, n, M, D, d0, acc);
+  for (; d0 < D16; d0 += 16) pv_rows<1>(p, vs, n, M, D, d0, acc);
   for (; d0 < D; ++d0)  // head_dim not a multiple of 16: the last columns one by one
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < n; ++k) acc[m * D + d0] += p[k * M + m] * vs[D16 * n + k * (D - D16) + d0 - D16];
