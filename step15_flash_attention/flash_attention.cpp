@@ -19,7 +19,7 @@
 //                 lanes of a register, each key element is broadcast to all of them, so K is
 //                 used as the pool stores it and the softmax's max and sum over keys are
 //                 lane-wise max/add, with no horizontal reductions;
-//   acc += P V    4 rows x 64 columns of the accumulator stay in registers over the key tile.
+//   acc += P V    6 rows x 32 columns (AVX-512; 16 on AVX2) of the accumulator stay in registers.
 // Two implementations: float32 FMAs on widened tiles (prefill_f32.h, any CPU, either dtype)
 // and bf16 dot products on pairs (prefill_bf16.h, bf16 with AVX512-BF16). Which one bf16 tiles
 // take is set at run time (flash_set_prefill_tiles): flash_cpu.py measures which instruction
