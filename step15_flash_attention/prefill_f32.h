@@ -52,8 +52,8 @@ inline void fma16(vec16& acc, float k, const vec16& b) {
 }
 
 // How many vec16 a micro-tile keeps in registers. AVX-512 has 32 registers of 16 floats:
-// scores hold 6 keys x 4 vectors of rows, P V 6 rows x 2 vectors of columns (4 rows x 4
-// vectors ran P V 1.12x-1.24x slower on a Zen 4 core). AVX2 has 16 registers of 8 floats and
+// scores hold 6 keys x 4 vectors of rows, P V 6 rows x 2 vectors of columns (on a Zen 4 core
+// 4 rows x 4 vectors ran P V slower: `bench.py kernel`). AVX2 has 16 registers of 8 floats and
 // NEON 32 of 4: there 6 keys x 1 vector and 6 rows x 1 vector fit (12 of AVX2's registers for
 // the sums, 2 for the loaded vector, 1 for the broadcast). Each output element sees the same
 // FMAs in the same order either way.
