@@ -112,10 +112,14 @@ class CpuGraphRunner(GraphRunner):
     """Decode buckets through our ops and direct calls, prompt steps through a dynamic compiled
     body, logits through a packed head (CPU, head-major pool, lesson 15's "cpu" backend)."""
 
-    # A bucket every 8 sequences above 16, not every 16 (vLLM's capture sizes). On a GPU a step
-    # of 40 rows and one of 48 take about the same time; on two CPU cores a decode step of 40+
-    # rows is busy with arithmetic, so every pad row costs what a real row does.
+    # A bucket every 8 sequences above 16 (vLLM's capture sizes). On a GPU a step of 40 rows and
+    # one of 48 take about the same time, so a step pads up to its bucket. On two CPU cores a
+    # decode step of more than a few rows is busy with arithmetic and a pad row costs about what
+    # a real row does, while the dynamic body (mixed.py) runs a step at its own size for little
+    # more than a replay: so only a step that fills its bucket replays it, and steps of up to
+    # `pad_up_to` rows, whose bucket is one C call over weights read from memory either way.
     bucket_step = 8
+    pad_up_to = 4
 
     def __init__(self, model, pool, attention: AttentionBackend, max_batch: int, scratch_block: int,
                  direct_calls: bool = True, compile_mixed: bool = True, small_rows: bool = True,
@@ -158,6 +162,12 @@ class CpuGraphRunner(GraphRunner):
         """Record every bucket and compile the prompt-step body before serving; seconds."""
         seconds = self.record_all()
         return seconds + (self.mixed.warm_up(self.scratch_block) if self.mixed else 0.0)
+
+    def bucket_for(self, batch: ScheduledBatch) -> int | None:
+        b = super().bucket_for(batch)
+        if b is None or self.mixed is None or b == len(batch.seqs) or b <= self.pad_up_to:
+            return b
+        return None                                 # the dynamic body, no pad rows
 
     def forward(self, batch: ScheduledBatch, input_ids: Tensor, positions: Tensor, attn) -> Tensor:
         if self.bucket_for(batch) is None and self.mixed is not None:
