@@ -20,8 +20,9 @@ code, called through this lesson's library ops (ops.py), exactly as in the decod
 The compiler sees T as a symbol: a first call compiles the body for its token count, the
 first call with another count recompiles it once with T symbolic ("automatic dynamic"), and
 every later step reuses that code. `warm_up` makes those two calls before serving (fake
-steps that write only into the scratch block), so no request waits for the compiler. Steps of one token per sequence still go to the
-buckets; steps past the largest bucket come here too.
+steps that write only into the scratch block), so no request waits for the compiler. Steps of one token per sequence go to a
+bucket they fill (or one of up to 4 rows); other decode steps, and steps past the largest
+bucket, come here too, at their own size rather than padded.
 """
 from __future__ import annotations
 
