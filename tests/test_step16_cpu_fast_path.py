@@ -206,24 +206,19 @@ def test_equals_lesson14_under_preemption(tiny):
 
 @needs_kernel
 def test_decode_steps_that_would_pad_run_at_their_own_size(tiny):
-    """A decode step replays its bucket when it fills it or the bucket is a small one (up to
-    pad_up_to rows); a step of 5-7 sequences runs in the dynamic body instead of padding to 8,
-    and every token is lesson 14's."""
-    engine = build_engine(tiny, _config(tiny, blocks=120, max_num_seqs=8, budget=64))
-    runner = engine.runner
-    assert runner.buckets == [1, 2, 4, 8] and runner.pad_up_to == 4
+    """Buckets replay when filled or of <= pad_up_to rows; 5-7 sequences run unpadded, as lesson 14."""
+    runner = (engine := build_engine(tiny, config := _config(tiny, blocks=120, max_num_seqs=8, budget=64))).runner
     decodes = lambda n: SimpleNamespace(seqs=[None] * n, num_tokens=[1] * n)
     assert [runner.bucket_for(decodes(n)) for n in (1, 3, 4, 5, 7, 8, 9)] == [1, 4, 4, None, None, 8, None]
     assert runner.bucket_for(SimpleNamespace(seqs=[None] * 2, num_tokens=[1, 3])) is None
     prompts = _prompts(tiny, (3, 40, 17, 9, 12, 25, 6))
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    ref = [s.output_token_ids for s in BatchedEngine(tiny, _config(tiny, blocks=120, max_num_seqs=8, budget=64),
-                                                      pack_weights=False).generate(prompts, sp)]
+    ref = [s.output_token_ids for s in BatchedEngine(tiny, config, pack_weights=False).generate(prompts, sp)]
     steps = runner.mixed.steps
     assert [s.output_token_ids for s in engine.generate(prompts, sp)] == ref
     assert runner.replays[8] == 0 and runner.mixed.steps - steps >= 9     # 7 rows: no pad to 8
-    assert [s.output_token_ids for s in engine.generate(prompts + prompts[:1], sp)][:7] == ref
-    assert runner.replays[8] > 0                                          # 8 rows fill the bucket
+    eight = engine.generate(prompts + prompts[:1], sp)                   # 8 rows fill the bucket
+    assert [s.output_token_ids for s in eight][:7] == ref and runner.replays[8] > 0
 
 
 @needs_kernel
