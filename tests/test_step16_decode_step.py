@@ -2,7 +2,8 @@
 (decode_step.py). Against the compiled path it replaces: the same hidden states and tokens (a
 Qwen3 with q/k norms, and the embedded SmolLM2 with three query heads a KV head), through
 preemption and recompute; the buckets it takes and the ones it leaves; where it does not apply
-(float32, the option off, a layer it does not know); and that a dropped engine is still freed."""
+(the option off, a layer it does not know); and that a dropped engine is still freed. The
+float32 loop: test_step16_decode_step_f32.py."""
 from __future__ import annotations
 
 import gc
@@ -22,7 +23,7 @@ from step16_cuda_graph.cpu.runner import CpuGraphRunner
 from minivllm_support.tiny import build_tiny_qwen3
 from tests.test_step16_cuda_graph import _prompts
 
-pytestmark = pytest.mark.skipif(decode_step.load() is None or not can_pack(torch.bfloat16),
+pytestmark = pytest.mark.skipif(not decode_step.has_loop(torch.bfloat16) or not can_pack(torch.bfloat16),
                                 reason="the one-call decode step needs the AVX-512 BF16 build of decode_step.cpp "
                                        "and oneDNN bf16 packing")
 
@@ -105,10 +106,10 @@ def test_one_call_gives_the_compiled_tokens_on_smollm2(smol_dir):
 
 
 def test_where_it_does_not_apply_the_compiled_path_runs(qwen3_bf16, tiny_qwen3_dir):
-    """float32 weights, head_dim 16 (no C element-wise passes), small_rows off, or a layer of
-    another type: no plan."""
+    """head_dim 16 (no C element-wise passes in bf16), small_rows off, or a layer of another
+    type: no plan."""
     built = lambda model, **kw: build_engine(model, _config(qwen3_bf16), record_now=False, **kw)
-    for engine in (built(load_model(tiny_qwen3_dir, torch.float32)), built(load_model(tiny_qwen3_dir, torch.bfloat16)),
+    for engine in (built(load_model(tiny_qwen3_dir, torch.bfloat16)),
                    built(qwen3_bf16, small_rows=False), built(qwen3_bf16, one_call=False)):
         assert engine.runner.one_call is False
     model = built(qwen3_bf16).model

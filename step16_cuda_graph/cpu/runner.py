@@ -30,7 +30,7 @@ from step15_flash_attention.backends import AttentionBackend
 from step16_cuda_graph.runner import GraphRunner
 from step16_cuda_graph.cpu import decode_step
 from step16_cuda_graph.cpu.mixed import MixedStepRunner
-from step16_cuda_graph.cpu.ops import gemm_f32, gemm_f32_rows, gemv, gemv_max_rows, gemv_rows, on_huge_pages, pack_f32
+from step16_cuda_graph.cpu.ops import gemm_f32, gemm_f32_rows, gemv, gemv_rows, on_huge_pages, pack_f32
 
 
 def module_tensors(module: nn.Module) -> dict[str, Tensor]:
@@ -128,8 +128,8 @@ class CpuGraphRunner(GraphRunner):
         compile_mixed=False: prompt steps run eagerly, as in lesson 16. small_rows: logits by
         our own kernels on a copy of the head's weight (the embedding when tied), as
         ops.OpPackedLinear does for the layers' linears. one_call: buckets of
-        up to gemv_max_rows() rows run every layer in one C call (decode_step.py) where the
-        model fits it; False: they are compiled like the others."""
+        up to decode_step.max_rows() rows run every layer in one C call (decode_step.py) where
+        the model fits it; False: they are compiled like the others."""
         super().__init__(model, pool, attention, max_batch, scratch_block)
         self.mode = "compile"
         self.layer_attention = {b: [OpAttention(self, i, b) for i in range(model.config.num_layers)]
@@ -137,6 +137,7 @@ class CpuGraphRunner(GraphRunner):
         self.direct: dict[int, DirectCall] = {}     # bucket -> its compiled body, called without Dynamo
         self.direct_calls = direct_calls
         self.one_call = one_call and small_rows and decode_step.fits(model)
+        self.one_call_rows = decode_step.max_rows(model.model.embed_tokens.weight.dtype) if self.one_call else 0
         self.one_call_steps: dict[int, decode_step.DecodeStep] = {}    # bucket -> its plan, for b <= 4
         self.compiler = KeepWhatInductorBuilt()
         body = types.FunctionType(_layer_body.__code__.replace(), _layer_body.__globals__, "layer_body")
@@ -208,7 +209,7 @@ class CpuGraphRunner(GraphRunner):
         """Compile bucket b (the first call goes through Dynamo), then keep what inductor built
         and call it directly from now on: a bucket's shapes never change."""
         self.pad_step(b)
-        if self.one_call and b <= gemv_max_rows():      # nothing to compile: a plan of pointers
+        if b <= self.one_call_rows:                     # nothing to compile: a plan of pointers
             self.one_call_steps[b] = decode_step.DecodeStep(self.model, self.layer_attention[b], b,
                                                             self.pool.block_size)
             self.decode(b)
