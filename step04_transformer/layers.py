@@ -49,6 +49,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)  # float32 [P, D]
         self.register_buffer("sin", sin, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would round the tables too (every angle off by up to 2^-9) and
+        # hand kernels that read float32 tables bf16 ones: they follow the device, never the dtype.
+        cos, sin = self.cos, self.sin
+        super()._apply(fn, recurse)
+        if self.cos.dtype != cos.dtype and not cos.is_meta:
+            self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        return self
+
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"negative position {int(positions.min())}")

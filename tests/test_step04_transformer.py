@@ -23,6 +23,17 @@ def test_logits_equal_hf_qwen3_tiny(tiny_qwen3_dir):
     torch.testing.assert_close(_logits(ours, ids), hf(ids[None]).logits[0], atol=1e-5, rtol=1e-4)
 
 
+def test_a_model_cast_after_loading_keeps_float32_rope_tables(tiny_qwen3_dir):
+    """model.to(dtype) casts the weights; the cos/sin tables stay float32 (later lessons' kernels
+    read them as float32), so the cast model computes what one loaded in that dtype computes."""
+    loaded = load_model(tiny_qwen3_dir, torch.bfloat16)
+    cast = load_model(tiny_qwen3_dir, torch.float32).to(torch.bfloat16)
+    assert cast.rotary.cos.dtype == cast.rotary.sin.dtype == torch.float32
+    assert torch.equal(cast.rotary.cos, loaded.rotary.cos)
+    ids = torch.randint(0, loaded.config.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_logits(cast, ids), _logits(loaded, ids))
+
+
 def test_logits_equal_hf_llama_on_smollm2(smol_fp32, smol_hf, smol_prompts):
     assert smol_fp32.config.architecture == "LlamaForCausalLM" and not smol_fp32.config.qk_norm
     ids = torch.tensor(smol_prompts[4])
