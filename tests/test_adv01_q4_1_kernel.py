@@ -1,8 +1,9 @@
 """Advanced 01: the file's Q4_1 blocks on our own kernel (q4_1_kernel.py, q4_1_gemv.cpp). The
 repacked nibbles give back the file's values bit for bit; the kernel is the float32 product with
-them to one bf16 rounding, for one to four rows and more; the model transform stacks q|k|v and
-gate|up; in lesson 16's fast path the small buckets run as one C call through the Q4_1 format,
-with the tokens of the same model's compiled layers (slow marker: two engines on SmolLM2)."""
+them to one bf16 rounding (and, with float32 activations, to float32 sum order), for one to four
+rows and more; the model transform stacks q|k|v and gate|up; in lesson 16's fast path the small
+buckets run as one C call through the Q4_1 format, in bf16 and in float32, with the tokens of the
+same model's compiled layers (slow marker: two engines on SmolLM2)."""
 from __future__ import annotations
 
 import pytest
@@ -47,6 +48,18 @@ def test_kernel_is_the_float32_product_to_one_rounding(blocks, rows):
         assert ((got.float() - want).abs() <= half_step + 1e-4 * want.abs().max()).all()
 
 
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_float32_kernel_is_the_float32_product(blocks, rows):
+    """float32 activations in and out (q4_1_linear_f32): the product to float32 sum order."""
+    g = torch.Generator().manual_seed(rows)
+    linear = q4_1_kernel.Q41Linear([blocks["model.layers.4.mlp.down_proj"]])
+    x = torch.randn(rows, linear.in_features, generator=g)
+    want = x.double() @ linear.dequantize().double().T
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_the_transform_stacks_and_keeps_the_rest(smol_dir):
     from step04_transformer.loader import load_model
     model = load_model(smol_dir, torch.bfloat16)
@@ -57,18 +70,20 @@ def test_the_transform_stacks_and_keeps_the_rest(smol_dir):
     assert layers[0].self_attn.qkv_proj.out_features == (9 + 2 * 3) * 64
     assert layers[0].mlp.gate_up_proj.out_features == 2 * 1536
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear       # the input is left as it was
-    with pytest.raises(ValueError, match="bf16"):
-        q4_1_kernel.q4_1_fast_model(load_model(smol_dir, torch.float32))
+    assert type(q4_1_kernel.q4_1_fast_model(model.float()).model.layers[0].mlp.down_proj) is q4_1_kernel.Q41Linear
+    with pytest.raises(ValueError, match="bf16 or float32"):
+        q4_1_kernel.q4_1_fast_model(model.half())
 
 
 @pytest.mark.slow
-def test_one_call_q4_1_engine_gives_the_compiled_layers_tokens():
-    if not decode_step.has_loop(torch.bfloat16):
-        pytest.skip("the one-call decode step in bf16 is in the AVX-512 BF16 build only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_one_call_q4_1_engine_gives_the_compiled_layers_tokens(dtype):
+    if not decode_step.has_loop(dtype):
+        pytest.skip(f"this build has no one-call decode step in {dtype} (bf16: AVX-512 BF16; float32: AVX2 + FMA)")
     from step04_transformer.loader import load_model
     from minivllm_support.models import embedded_smollm2
-    model = q4_1_kernel.q4_1_fast_model(load_model(embedded_smollm2(), torch.bfloat16))
-    config = PagedSchedulerConfig(kv_cache_bytes=64 * KVPool.bytes_per_block(model.config, 16, torch.bfloat16),
+    model = q4_1_kernel.q4_1_fast_model(load_model(embedded_smollm2(), torch.bfloat16).to(dtype))
+    config = PagedSchedulerConfig(kv_cache_bytes=64 * KVPool.bytes_per_block(model.config, 16, dtype),
                                   max_num_seqs=4, max_num_batched_tokens=32)
     from step16_cuda_graph.cpu.engine import build_engine
     one, compiled = (build_engine(model, config, one_call=flag) for flag in (True, False))

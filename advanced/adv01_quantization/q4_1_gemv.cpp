@@ -11,11 +11,12 @@
 // decode step streams 20 bytes of nibbles and scales per 32 weights where bf16 streams 64, and the
 // arithmetic (about 12 instructions a block) is what bounds it on two cores.
 //
-// Sums in float32, each output rounded once to bf16. Rows of W are split among the threads in
+// Sums in float32, each output rounded once to bf16 (q4_1_linear) or kept in float32 (q4_1_linear_f32,
+// for a model run in float32 where the CPU has no bf16 arithmetic). Rows of W are split among the threads in
 // contiguous ranges (one sequential stream each); rows of x are taken four at a time. The
 // AVX-512 build does 16 weights an instruction; elsewhere the compiler vectorises plain loops.
-// q4_1_linear has lesson 16's plan signature (decode_step.cpp's LinearFn), so the one-call
-// decode step runs Q4_1 layers through it.
+// Both have lesson 16's plan signature (decode_step.cpp's Linear), so the one-call decode step
+// runs Q4_1 layers through them.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,11 +40,16 @@ struct Q41Matrix {          // mirrors Q41Matrix in q4_1_kernel.py
 
 namespace {
 
+inline void store(bf16* y, float v) { *y = bf16_narrow(v); }
+inline void store(float* y, float v) { *y = v; }
+inline float widen(bf16 v) { return bf16_widen(v); }
+inline float widen(float v) { return v; }
+
 #if defined(__AVX512F__)
 
-template <int R>
+template <int R, typename Out>
 void rows_q4_1(const Q41Matrix& w, const float* x, const float* xsum, int64_t K, int64_t n0, int64_t n1,
-               bf16* y, int64_t N) {
+               Out* y, int64_t N) {
   const int64_t nb = K / 32;
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
@@ -65,15 +71,15 @@ void rows_q4_1(const Q41Matrix& w, const float* x, const float* xsum, int64_t K,
         msum[r] += m[b] * xsum[r * nb + b];
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = bf16_narrow(_mm512_reduce_add_ps(acc[r]) + msum[r]);
+    for (int r = 0; r < R; ++r) store(y + r * N + n, _mm512_reduce_add_ps(acc[r]) + msum[r]);
   }
 }
 
 #else
 
-template <int R>
+template <int R, typename Out>
 void rows_q4_1(const Q41Matrix& w, const float* x, const float* xsum, int64_t K, int64_t n0, int64_t n1,
-               bf16* y, int64_t N) {
+               Out* y, int64_t N) {
   const int64_t nb = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qs = w.qs + n * nb * 16;
@@ -88,34 +94,29 @@ void rows_q4_1(const Q41Matrix& w, const float* x, const float* xsum, int64_t K,
         total[r] += w.d[n * nb + b] * dot + w.m[n * nb + b] * xsum[r * nb + b];
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = bf16_narrow(total[r]);
+    for (int r = 0; r < R; ++r) store(y + r * N + n, total[r]);
   }
 }
 
 #endif
 
-}  // namespace
-
-extern "C" {
-
-int64_t q4_1_available() { return 1; }
-
-// x [M, K] bf16 (K % 32 == 0), y [M, N] bf16; w: a Q41Matrix.
-void q4_1_linear(const void* w, const bf16* x, int64_t M, int64_t K, int64_t N, bf16* y) {
+// x [M, K] (K % 32 == 0) -> y [M, N], both bf16 or both float; w: a Q41Matrix.
+template <typename Act>
+void linear(const void* w, const Act* x, int64_t M, int64_t K, int64_t N, Act* y) {
   const Q41Matrix& W = *static_cast<const Q41Matrix*>(w);
   const int64_t nb = K / 32;
   for (int64_t r0 = 0; r0 < M; r0 += 4) {
     const int R = int(M - r0 < 4 ? M - r0 : 4);
     std::vector<float> xf(R * K), xsum(R * nb);
     for (int r = 0; r < R; ++r) {
-      for (int64_t k = 0; k < K; ++k) xf[r * K + k] = bf16_widen(x[(r0 + r) * K + k]);
+      for (int64_t k = 0; k < K; ++k) xf[r * K + k] = widen(x[(r0 + r) * K + k]);
       for (int64_t b = 0; b < nb; ++b) {
         float s = 0.f;
         for (int i = 0; i < 32; ++i) s += xf[r * K + b * 32 + i];
         xsum[r * nb + b] = s;
       }
     }
-    bf16* yr = y + r0 * N;
+    Act* yr = y + r0 * N;
 #pragma omp parallel
     {
       const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -128,6 +129,18 @@ void q4_1_linear(const void* w, const bf16* x, int64_t M, int64_t K, int64_t N, 
       }
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t q4_1_available() { return 1; }
+
+void q4_1_linear(const void* w, const bf16* x, int64_t M, int64_t K, int64_t N, bf16* y) { linear(w, x, M, K, N, y); }
+
+void q4_1_linear_f32(const void* w, const float* x, int64_t M, int64_t K, int64_t N, float* y) {
+  linear(w, x, M, K, N, y);
 }
 
 }  // extern "C"

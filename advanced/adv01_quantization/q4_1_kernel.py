@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from advanced.adv01_quantization.gguf_q4_1 import Q41Blocks, embedded_gguf, read_q4_1
+from minivllm_support.cpu import auto_dtype
 from minivllm_support.models import embedded_smollm2
 from step04_transformer.loader import load_model
 from step04_transformer.model import DecoderLayer
@@ -55,7 +56,8 @@ def load() -> ctypes.CDLL | None:
     lib = lesson14_kernel.build_or_warn(SOURCE, "the Q4_1 kernel is unavailable", (LESSON14_DIR,))
     if lib is None or not lesson14_kernel.bind(lib, "q4_1_available", [], _i64):
         return None
-    lesson14_kernel.bind(lib, "q4_1_linear", [_ptr, _ptr, _i64, _i64, _i64, _ptr])
+    for name in ("q4_1_linear", "q4_1_linear_f32"):
+        lesson14_kernel.bind(lib, name, [_ptr, _ptr, _i64, _i64, _i64, _ptr])
     return lib
 
 
@@ -69,11 +71,13 @@ def pack_nibbles(q: Tensor) -> Tensor:
 @library_op("q4_1_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor",
             fake=lambda x, qs, d, m: x.new_empty(x.shape[0], d.shape[0]))
 def q4_1_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
-    """x [M, K] bf16 @ W^T, W in Q4_1 blocks (qs, d, m as Q41Linear holds them) -> [M, N] bf16."""
+    """x [M, K] @ W^T, W in Q4_1 blocks (qs, d, m as Q41Linear holds them) -> [M, N], bf16 or
+    float32 as x."""
     x = x.contiguous()
     y = x.new_empty(x.shape[0], d.shape[0])
     matrix = Q41Matrix(qs.data_ptr(), d.data_ptr(), m.data_ptr())
-    load().q4_1_linear(ctypes.addressof(matrix), x.data_ptr(), x.shape[0], x.shape[1], d.shape[0], y.data_ptr())
+    fn = load().q4_1_linear_f32 if x.dtype == torch.float32 else load().q4_1_linear
+    fn(ctypes.addressof(matrix), x.data_ptr(), x.shape[0], x.shape[1], d.shape[0], y.data_ptr())
     return y
 
 
@@ -83,7 +87,7 @@ def on_huge_pages(t: Tensor) -> Tensor:
 
 
 class Q41Linear(nn.Module):
-    """A linear whose weight is Q4_1 blocks (bf16 activations in and out, no bias)."""
+    """A linear whose weight is Q4_1 blocks (bf16 or float32 activations in and out, no bias)."""
 
     def __init__(self, blocks: list[Q41Blocks]):
         super().__init__()
@@ -107,26 +111,30 @@ class Q41Linear(nn.Module):
         return (q * self.d[..., None] + self.m[..., None]).reshape(self.out_features, self.in_features)
 
 
-def _q4_1_entry(linear: Q41Linear) -> decode_step.LinearEntry | None:
-    lib = load()
-    if lib is None:
-        return None
-    return ctypes.addressof(linear.matrix), ctypes.cast(lib.q4_1_linear, _ptr).value, [linear.qs, linear.d, linear.m]
+def _q4_1_entry(name: str):
+    def entry(linear: Q41Linear) -> decode_step.LinearEntry | None:
+        lib = load()
+        if lib is None:
+            return None
+        return ctypes.addressof(linear.matrix), ctypes.cast(getattr(lib, name), _ptr).value, [linear.qs, linear.d, linear.m]
+    return entry
 
 
-decode_step.register_linear_format(Q41Linear, _q4_1_entry)
+decode_step.register_linear_format(Q41Linear, _q4_1_entry("q4_1_linear"), torch.bfloat16)
+decode_step.register_linear_format(Q41Linear, _q4_1_entry("q4_1_linear_f32"), torch.float32)
 
 
 def q4_1_fast_model(model: nn.Module, path: Path | None = None) -> nn.Module:
-    """`model` (lesson 04's, bf16, as loaded: unfused) with every layer whose seven linears the
-    file holds in Q4_1 rebuilt on Q41Linear, q|k|v and gate|up stacked. A new model."""
+    """`model` (lesson 04's, bf16 or float32, as loaded: unfused) with every layer whose seven
+    linears the file holds in Q4_1 rebuilt on Q41Linear, q|k|v and gate|up stacked. A new model."""
     if load() is None:
         raise RuntimeError("the Q4_1 kernel could not be built here (see the warning above)")
-    cfg = model.config
-    if model.model.embed_tokens.weight.dtype != torch.bfloat16:
-        raise ValueError("q4_1_fast_model takes a bf16 model (its kernel reads and writes bf16 activations)")
+    cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"q4_1_fast_model takes a bf16 or float32 model (its kernel's activations), not {dtype}")
     blocks, _ = read_q4_1(path or embedded_gguf(), cfg.num_heads, cfg.num_kv_heads)
-    kernels = elementwise_fits(cfg.head_dim, cfg.intermediate_size)
+    # elementwise.cpp's passes are bf16 only, as lesson 16's fuse_projections has it
+    kernels = dtype == torch.bfloat16 and elementwise_fits(cfg.head_dim, cfg.intermediate_size)
     names = {id(m): name for name, m in model.named_modules()}
 
     def rebuild(layer: nn.Module) -> nn.Module | None:
@@ -145,8 +153,9 @@ def q4_1_fast_model(model: nn.Module, path: Path | None = None) -> nn.Module:
     return replace_modules(model, rebuild)
 
 
-def q4_1_engine(config: PagedSchedulerConfig | None = None, **options):
-    """Lesson 16's fast-path engine on the embedded SmolLM2 with the file's Q4_1 blocks (bf16
-    activations; embedding and tied LM head the bf16 copy, as in q4_1_llm)."""
-    model = q4_1_fast_model(load_model(embedded_smollm2(), torch.bfloat16))
-    return build_engine(model, config, **options)
+def q4_1_engine(config: PagedSchedulerConfig | None = None, dtype: torch.dtype | None = None, **options):
+    """Lesson 16's fast-path engine on the embedded SmolLM2 with the file's Q4_1 blocks;
+    activations in `dtype` (default: this CPU's auto dtype, bf16 where it multiplies bf16, else
+    float32); embedding and tied LM head the bf16 copy, as in q4_1_llm (in float32: those values)."""
+    model = load_model(embedded_smollm2(), torch.bfloat16).to(dtype or auto_dtype())
+    return build_engine(q4_1_fast_model(model), config, **options)
