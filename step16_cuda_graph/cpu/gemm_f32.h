@@ -18,9 +18,12 @@
 // columns are stored in the order 0-3, 8-11, 4-7, 12-15, so that interleaving the 256-bit load
 // with zeros (unpacklo/hi, which work per 128-bit half) gives columns 0-7 and 8-15 as float32
 // in one instruction each. Other weights are packed as float32. Included at the end of
-// elementwise.cpp, in every x86 build with AVX2 + FMA; where AVX-512 is there too, oneDNN's
-// wider kernels take every step of more than 4 rows (gemm_f32_max_rows): there only the steps
-// bound by reading the weights gain from the bf16 panels.
+// elementwise.cpp, in every x86 build with AVX2 + FMA.
+//
+// Where the CPU has AVX-512, the micro-kernel is 512 bits wide: a panel's 16 columns in one
+// register, 12 rows of x a call (12 registers of sums; per k one weight row, widened once, and
+// 12 FMAs, so the two instructions that widen bf16 cost a seventh of the issue slots). The
+// widened lanes keep the stored column order; one permute a register puts them back at the end.
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include <omp.h>
@@ -30,7 +33,11 @@
 namespace {
 
 constexpr int kPanel = 16;  // output columns a panel
+#if defined(__AVX512F__)
+constexpr int kRows = 12;   // rows of x a micro-kernel call: 12 registers of sums
+#else
 constexpr int kRows = 6;    // rows of x a micro-kernel call: 6 x 2 registers of sums
+#endif
 
 // One row's contribution at k: x[m, k] broadcast, times both halves of the panel's row k.
 #define GEMM_FMA(m)                                                  \
@@ -74,15 +81,54 @@ void micro_kernel(const float* xp, const void* panel, int64_t K, float* y, int64
 #undef GEMM_FMA
 #undef GEMM_STORE
 
+#if defined(__AVX512F__)
+// The AVX-512 micro-kernel: R <= 12 rows (xp[k * R + m]) times one panel, one register a row.
+template <int R, bool BF16>
+void micro_kernel_512(const float* xp, const void* panel, int64_t K, float* y, int64_t N, int64_t cols) {
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w;
+    if constexpr (BF16) {     // bf16 bits to the high half of each lane: exact, in stored order
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const bf16*>(panel) + k * kPanel));
+      w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    } else {
+      w = _mm512_loadu_ps(static_cast<const float*>(panel) + k * kPanel);
+    }
+    for (int m = 0; m < R; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xp[k * R + m]), w, acc[m]);
+  }
+  // bf16 panels hold columns 0-3, 8-11, 4-7, 12-15: swapping the middle quarters undoes it
+  const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  const __mmask16 keep = __mmask16((1u << cols) - 1);
+  for (int m = 0; m < R; ++m)
+    _mm512_mask_storeu_ps(y + m * N, keep, BF16 ? _mm512_permutexvar_ps(order, acc[m]) : acc[m]);
+}
+#endif
+
 // Rows m0 .. m0+R-1 of x [M, K] into xp, k after k.
-template <int R>
-void pack_rows(const float* x, int64_t K, int64_t m0, float* xp) {
+void pack_rows(const float* x, int64_t K, int64_t m0, int64_t R, float* xp) {
   for (int64_t k = 0; k < K; ++k)
-    for (int m = 0; m < R; ++m) xp[k * R + m] = x[(m0 + m) * K + k];
+    for (int64_t m = 0; m < R; ++m) xp[k * R + m] = x[(m0 + m) * K + k];
 }
 
 template <bool BF16>
 void rows_times_panel(int64_t R, const float* xp, const void* panel, int64_t K, float* y, int64_t N, int64_t cols) {
+#if defined(__AVX512F__)
+  switch (R) {
+    case 1: micro_kernel_512<1, BF16>(xp, panel, K, y, N, cols); break;
+    case 2: micro_kernel_512<2, BF16>(xp, panel, K, y, N, cols); break;
+    case 3: micro_kernel_512<3, BF16>(xp, panel, K, y, N, cols); break;
+    case 4: micro_kernel_512<4, BF16>(xp, panel, K, y, N, cols); break;
+    case 5: micro_kernel_512<5, BF16>(xp, panel, K, y, N, cols); break;
+    case 6: micro_kernel_512<6, BF16>(xp, panel, K, y, N, cols); break;
+    case 7: micro_kernel_512<7, BF16>(xp, panel, K, y, N, cols); break;
+    case 8: micro_kernel_512<8, BF16>(xp, panel, K, y, N, cols); break;
+    case 9: micro_kernel_512<9, BF16>(xp, panel, K, y, N, cols); break;
+    case 10: micro_kernel_512<10, BF16>(xp, panel, K, y, N, cols); break;
+    case 11: micro_kernel_512<11, BF16>(xp, panel, K, y, N, cols); break;
+    default: micro_kernel_512<12, BF16>(xp, panel, K, y, N, cols); break;
+  }
+#else
   switch (R) {
     case 1: micro_kernel<1, BF16>(xp, panel, K, y, N, cols); break;
     case 2: micro_kernel<2, BF16>(xp, panel, K, y, N, cols); break;
@@ -91,6 +137,7 @@ void rows_times_panel(int64_t R, const float* xp, const void* panel, int64_t K, 
     case 5: micro_kernel<5, BF16>(xp, panel, K, y, N, cols); break;
     default: micro_kernel<6, BF16>(xp, panel, K, y, N, cols); break;
   }
+#endif
 }
 
 template <bool BF16>
@@ -103,16 +150,9 @@ void gemm_panels(const float* x, int64_t M, int64_t K, const void* panels, int64
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {     // group g: rows 6g.., packed at xp + 6g * K
-      const int64_t m0 = g * kRows, R = M - m0 < kRows ? M - m0 : kRows;
-      switch (R) {
-        case 1: pack_rows<1>(x, K, m0, xp + m0 * K); break;
-        case 2: pack_rows<2>(x, K, m0, xp + m0 * K); break;
-        case 3: pack_rows<3>(x, K, m0, xp + m0 * K); break;
-        case 4: pack_rows<4>(x, K, m0, xp + m0 * K); break;
-        case 5: pack_rows<5>(x, K, m0, xp + m0 * K); break;
-        default: pack_rows<6>(x, K, m0, xp + m0 * K); break;
-      }
+    for (int64_t g = 0; g < groups; ++g) {     // group g: rows kRows g.., packed at xp + kRows g K
+      const int64_t m0 = g * kRows;
+      pack_rows(x, K, m0, M - m0 < kRows ? M - m0 : kRows, xp + m0 * K);
     }
     // Each thread a contiguous share of the panels; a panel stays in cache for all the rows.
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -131,9 +171,11 @@ void gemm_panels(const float* x, int64_t M, int64_t K, const void* panels, int64
 
 }  // namespace
 
+// Where AVX-512 is there, oneDNN's packed float32 call (its own 512-bit kernels, blocked for
+// large steps) is the faster from about 48 rows up (`cpu/bench.py linears`, lesson 16's README).
 extern "C" int64_t gemm_f32_max_rows() {
 #if defined(__AVX512F__)
-  return 4;
+  return 48;
 #else
   return INT64_MAX;
 #endif

@@ -139,7 +139,8 @@ BF16_PANEL_ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
 
 def gemm_f32_rows() -> int:
     """Most rows of a float32 step gemm_f32 takes in this build: every step where AVX2 is the
-    widest unit, steps of up to 4 rows where oneDNN has AVX-512; 0 where it is not built."""
+    widest unit, steps of up to 48 rows where there is AVX-512 (oneDNN's packed call takes
+    larger ones); 0 where it is not built."""
     lib = kernels_library()
     return lib.gemm_f32_rows if lib is not None else 0
 
@@ -187,7 +188,7 @@ class OpPackedLinear(PackedLinear):
                         conversation is); without bias, in_features % 32 == 0
       float32 weights   gemm_f32's panels (`panels`, pack_f32; bf16 where the values are bf16
                         values): float32 steps of up to gemm_f32_rows() rows (every step where
-                        AVX2 is the CPU's widest unit, up to 4 rows where it has AVX-512)
+                        AVX2 is the CPU's widest unit, up to 48 rows where it has AVX-512)
     `bench.py batch1`, lesson 18's llamacpp_bench and `cpu/bench.py linears` measure them."""
 
     def __init__(self, packed: PackedLinear, small_rows: bool = True):
