@@ -53,9 +53,12 @@ def test_pool_layout_and_methods_are_lesson14s(tiny_qwen3_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_copies_hold_the_values_and_small_ones_share_a_mapping(dtype):
+def test_copies_hold_the_values_and_small_ones_share_a_mapping(dtype, monkeypatch):
     """huge_page_copy (the fast path's weight copies): the same values, contiguous, aligned to a
-    cache line; tensors under a huge page go back to back into one shared mapping."""
+    cache line; tensors under a huge page go back to back into one shared mapping (a fresh one
+    here: what earlier copies in this process left in the current mapping is not this test's)."""
+    from step16_cuda_graph.cpu import huge_pages
+    monkeypatch.setattr(huge_pages, "_shared", [None, 0])
     small = [torch.randn(7, 33).to(dtype), torch.randn(300, 576).to(dtype), torch.randn(5).to(dtype)]
     large = torch.randn(3 * HUGE_PAGE // 4 + 5).to(dtype)          # over one huge page
     copies = [huge_page_copy(t) for t in small + [large]]
