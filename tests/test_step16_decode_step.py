@@ -62,8 +62,12 @@ def test_small_buckets_are_one_call_and_larger_ones_compiled(pair):
 def test_one_call_gives_the_compiled_tokens_through_preemption(pair, qwen3_bf16):
     """Greedy tokens of one to four sequences, with prompts chunked and a pool small enough to
     preempt: the one-call engine says what the compiled one says, token for token."""
-    one, compiled = pair
-    prompts = _prompts(qwen3_bf16, (11, 3, 22, 6))
+    same_tokens_through_preemption(*pair, qwen3_bf16)
+
+
+def same_tokens_through_preemption(one, compiled, model):
+    """The check above, for any pair of engines built on `model` (the float32 tests use it)."""
+    prompts = _prompts(model, (11, 3, 22, 6))
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     replays = sum(one.runner.replays[b] for b in (1, 2, 4))
     got = [s.output_token_ids for s in one.generate(prompts, sp)]

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from step04_transformer.loader import load_model
-from step06_sampler.params import SamplingParams
 from step12_paged_attention.kv_pool import KVPool
 from step12_paged_attention.scheduler import PagedSchedulerConfig
 from step16_cuda_graph.cpu import decode_step
@@ -16,7 +15,7 @@ from step16_cuda_graph.cpu.engine import build_engine
 from step16_cuda_graph.cpu.ops import OpPackedLinear, gemm_f32_rows
 from step16_cuda_graph.cpu.runner import CpuGraphRunner
 from minivllm_support.tiny import build_tiny_qwen3
-from tests.test_step16_cuda_graph import _prompts
+from tests.test_step16_decode_step import same_tokens_through_preemption
 
 pytestmark = pytest.mark.skipif(not decode_step.has_loop(torch.float32) or gemm_f32_rows() < 1,
                                 reason="the float32 one-call decode step needs gemm_f32 (an x86 build with AVX2 + FMA)")
@@ -53,15 +52,7 @@ def test_small_buckets_are_one_call_over_the_panels(pair, model):
 
 
 def test_one_call_gives_the_compiled_tokens_through_preemption(pair, model):
-    one, compiled = pair
-    prompts = _prompts(model, (11, 3, 22, 6))
-    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-    replays = sum(one.runner.replays[b] for b in (1, 2, 4))
-    got = [s.output_token_ids for s in one.generate(prompts, sp)]
-    want = [s.output_token_ids for s in compiled.generate(prompts, sp)]
-    assert got == want
-    assert sum(one.runner.replays[b] for b in (1, 2, 4)) > replays
-    assert one.scheduler.num_preemptions > 0 and compiled.scheduler.num_preemptions == one.scheduler.num_preemptions
+    same_tokens_through_preemption(*pair, model)
 
 
 def test_one_call_gives_the_compiled_steps_hidden_states(pair):
