@@ -206,7 +206,8 @@ def arguments(doc: str, rows: tuple[str, ...]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small-rows", choices=["on", "off"], default="on",
-                   help="off: ours without gemv_bf16, every linear through oneDNN (build_engine small_rows=False)")
+                   help="off: ours without its own matmul copies (gemv_bf16's, gemm_f32's), every linear "
+                        "through oneDNN (build_engine small_rows=False)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="ours: the dtype the model runs in (auto: bf16 where the CPU multiplies it, else float32)")
     args = p.parse_args()

@@ -99,9 +99,9 @@ def has_loop(dtype: torch.dtype) -> bool:
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """The largest bucket a plan of `dtype` takes: the rows where a linear only streams its
-    weight (gemv_bf16's limit; gemm_f32 takes any number, but from 5 rows up its panels are
-    arithmetic, not reading, and the compiled path's oneDNN is as good); 0 without the loop."""
+    """The largest bucket a plan of `dtype` takes, 0 without the loop: gemv_bf16's limit (4) in
+    bf16, and the same 4 in float32 (gemm_f32 takes any number of rows; the buckets of one
+    conversation or a few are the ones where per-op cost weighs, and larger ones stay compiled)."""
     if not has_loop(dtype):
         return 0
     return gemv_max_rows() if dtype == torch.bfloat16 else min(4, gemm_f32_rows())
