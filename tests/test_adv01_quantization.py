@@ -96,6 +96,11 @@ def test_kernel_weights_are_the_dequantized_weights_bit_for_bit(scheme):
         mods.append(Int8Linear(qw, torch.float32, dequant_rows=None))
     for m in mods:
         assert torch.equal(m(torch.eye(256)).t(), qw.dequantize(torch.float32))
+    if scheme.bits == 4:        # torch's kernel itself (Int4Linear widens in float32 instead of calling it)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32), 2)
+        sz = torch.stack([qw.scale.t(), qw.zero.t()], dim=-1).contiguous()
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(256), packed, scheme.group_size, sz)
+        assert torch.equal(got.t(), qw.dequantize(torch.float32))
 
 
 def test_int8_scratch_works_in_and_out_of_inference_mode():

@@ -3,6 +3,7 @@ puts them in a model's place.
 
     Int8Linear   y = x @ (q * scale)^T      torch.ops.aten._weight_int8pack_mm(x, q, scale)
     Int4Linear   y = x @ ((q-8)*s + z)^T    torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)
+                                            (float32 x: the weight widened, then F.linear)
 
 Both kernels read the small integers and turn them into floats inside the multiply, so a
 decode step reads 1 byte (int8) or half a byte (int4) per weight instead of bf16's 2. Their
@@ -80,22 +81,49 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
+    """Weights of 4 bits, two to a byte, in groups of g along K with a scale and a zero each.
+
+    bf16 / fp16 activations go through torch's int4 kernel. float32 ones do not: that kernel
+    runs float32 through a scalar loop (a whole text's forward took minutes), so in float32
+    the weight is widened per call into a shared scratch buffer and multiplied by oneDNN, as
+    Int8Linear does above `dequant_rows`.
+    The widening is done in float64 and rounded once, so the weights are bit for bit the ones
+    torch's kernel computes with its fused multiply-add. The bytes stored are the same either way.
+    """
+
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, bias: Tensor | None = None):
         super().__init__()
         if qw.scheme.bits != 4:
             raise ValueError(f"Int4Linear needs a 4-bit QuantizedWeight, got {qw.scheme.name}")
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.scheme.group_size
-        # innerKTiles (the 2) shapes the packing for CUDA's kernel; the CPU layout ignores it.
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32), 2)
+        self.widen = dtype == torch.float32
+        if self.widen:      # our own layout: byte j of a row holds weight 2j (low nibble) and 2j + 1
+            packed = (qw.q[:, 0::2].to(torch.uint8) | (qw.q[:, 1::2].to(torch.uint8) << 4)).contiguous()
+        else:               # innerKTiles (the 2) shapes the packing for CUDA's kernel; the CPU layout ignores it
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32), 2)
         self.register_buffer("packed", packed)                            # uint8 [N, K/2]
         sz = torch.stack([qw.scale.t(), qw.zero.t()], dim=-1)             # [K/g, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
+    def widened(self) -> Tensor:
+        """float32 [N, K]: fma(q - 8, scale, zero) per weight, in a buffer shared by every Int4Linear."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        w = _Scratch.get(n, k, torch.float64)
+        pairs = w.view(n, k // 2, 2)
+        pairs[..., 0].copy_(self.packed & 0x0F)
+        pairs[..., 1].copy_(self.packed >> 4)
+        sz = self.scales_and_zeros.double()
+        groups = w.view(n, k // g, g).sub_(8).mul_(sz[..., 0].t()[..., None]).add_(sz[..., 1].t()[..., None])
+        return _Scratch.get(n, k, torch.float32).copy_(groups.view(n, k))   # (q - 8) s exact in float64: one rounding
+
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.widen:
+            y = F.linear(x2, self.widened())
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

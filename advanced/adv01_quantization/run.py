@@ -2,7 +2,6 @@
 
     python advanced/adv01_quantization/run.py                # the embedded SmolLM2 (or --model FOLDER)
     python advanced/adv01_quantization/run.py --skip-speed   # only parts 1-3
-    (--dtype fp32 works but is slow: torch's int4 kernel has no vectorised fp32 path)
 
 1. what the embedded GGUF file stores, and its Q4_1 blocks served as int4, checked bit for bit;
 2. quality: perplexity, top-1 agreement and KL against the unquantized model, and weight bytes;
