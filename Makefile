@@ -40,10 +40,11 @@ check-arm: $(STAMP)
 	$(PY) -m tests.arm_check
 
 # Every command whose output a README shows, re-run here: build/figures/FIGURES.md + figures.json
-# (the machine line, each command, its output and figures). Short mode by default (~16 min on
-# 2 cores); FULL=1 for the READMEs' long runs; ONLY="step15 adv01" for some lessons.
+# (the machine line, each command, its output and figures). Short mode by default (16-40 min on
+# 2 cores); FULL=1 for the READMEs' long runs; SMOKE=1 for the smallest workloads (what CI runs:
+# every command end to end); ONLY="step15 adv01" for some lessons.
 figures: $(STAMP)
-	$(PY) -m minivllm_support.figures $(if $(FULL),--full) $(if $(ONLY),--only $(ONLY))
+	$(PY) -m minivllm_support.figures $(if $(FULL),--full) $(if $(SMOKE),--smoke) $(if $(ONLY),--only $(ONLY))
 
 # Lesson 20's server as its own process under a mixed, misbehaving load (streams cut off, bad
 # bodies, injected step faults), then checked: answers, idle afterwards, RSS, clean SIGTERM.

