@@ -111,7 +111,7 @@ COMMANDS: list[Command] = [
     _run("step16_cuda_graph/cpu", what="the CPU fast path vs lesson 16"),
     _run("step17_tensor_parallel", what="TP=2 vs TP=1: tokens, memory, time"),
     _run("step18_benchmark", what="the offline ladder and the online load (short)", full=("--full",),
-         smoke=("--requests", "4", "--rates", "inf")),
+         smoke=("--requests", "2", "--rates", "inf")),
     _run("step19_real_model", *QUICK, what="the LLM API", full=(), smoke=("--max-tokens", "16", *QUICK)),
     _run("step20_http_serve", what="the OpenAI-compatible server under load",
          smoke=("--requests", "4", "--max-tokens", "16")),
@@ -131,7 +131,7 @@ COMMANDS: list[Command] = [
     _run("advanced/adv08_data_parallel", "--conversations", "4", what="DP replicas behind a router: hit rate, "
          "TTFT/E2EL per policy, cost model, vs one engine", full=(), smoke=("--conversations", "2", "--turns", "2")),
     _run("advanced/adv09_overlap", *QUICK, what="two-batch overlap: step time with and without, share of all-reduce "
-         "time hidden", full=(), smoke=("--small", "2", "--large", "8", *QUICK)),
+         "time hidden", full=(), smoke=("--small", "2", "--large", "8", "--prefill", "2x32", *QUICK)),
     _run("advanced/adv10_pd_disaggregation", what="prefill/decode disaggregation: TTFT split, ITL with long prompts, "
          "KV bytes and link prices, goodput, vs colocated", full=(),
          smoke=("--chats", "4", "--chat-tokens", "8", "--long-prompt", "200")),
@@ -169,9 +169,11 @@ COMMANDS: list[Command] = [
            "one decode step, TP=2 vs TP=1"),
     _bench("step18_benchmark", "microbench.py", (), (), "memory bandwidth, packed linears, kernel build, decode kernel"),
     _bench("step18_benchmark", "thread_cost.py", (), (), "the engine loop in a second thread"),
-    _bench("step18_benchmark", "profile_decode.py", ("--batch", "8"), (), "where a decode step's time goes"),
+    _bench("step18_benchmark", "profile_decode.py", ("--batch", "8"), (), "where a decode step's time goes",
+           smoke=("--batch", "4", "--context", "64")),
     _bench("advanced/adv06_pipeline_parallel", "wire.py", ("--steps", "2", "--batches", "1", "8", "--prompt-len", "64"),
-           (), "bytes between two machines: TP=2 across them vs PP=2 across them, and a link model"),
+           (), "bytes between two machines: TP=2 across them vs PP=2 across them, and a link model",
+           smoke=("--steps", "1", "--batches", "1", "--prompt-len", "32")),
     _bench("advanced/adv07_context_parallel", "bench.py", ("--lengths", "4096", "8192"), (),
            "CP memory per rank and prefill time at 16k and 32k tokens (2 layers of SmolLM2)"),
     _bench("advanced/adv04_flash_decoding", "bench_gpu.py", (), (), "Triton decode kernels vs SDPA on a GPU",

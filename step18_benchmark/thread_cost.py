@@ -4,8 +4,9 @@ thread and in a new thread, as the async front end (frontend.py) runs it.
     python step18_benchmark/thread_cost.py
 
 Two measurements, the two variants taking turns after a warm-up (minivllm_support's
-`compare`); each "new thread" run starts a fresh thread:
-  - one bf16 linear (64 x 576 -> 1536, a SmolLM2 MLP shape), oneDNN's matmul;
+`compare`); each "new thread" run starts a fresh thread, both in this CPU's auto dtype (bf16
+where it multiplies bf16, else float32):
+  - one linear (64 x 576 -> 1536, a SmolLM2 MLP shape), oneDNN's matmul;
   - lesson 16's fast-path engine on 8 requests x 64 tokens (the embedded model, compiled decode steps).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import torch
 
 from minivllm_support.cli import machine
+from minivllm_support.cpu import auto_dtype
 from minivllm_support.models import embedded_smollm2
 from minivllm_support.timing import compare, format_ratio
 from step04_transformer.loader import load_model
@@ -35,15 +37,17 @@ def in_new_thread(fn):
 
 def main() -> None:
     print(f"machine: {machine()}")
-    x, w = torch.randn(64, 576).bfloat16(), torch.randn(1536, 576).bfloat16()
+    dtype = auto_dtype()
+    name = "bf16" if dtype == torch.bfloat16 else "float32"
+    x, w = torch.randn(64, 576).to(dtype), torch.randn(1536, 576).to(dtype)
 
     def linears(n: int = 300) -> None:
         for _ in range(n):
             torch.nn.functional.linear(x, w)
     t = compare({"main": linears, "thread": lambda: in_new_thread(linears)}, repeats=5)
-    print(f"bf16 linear 64 x 576 -> 1536: main thread {t['main'].median / 300 * 1e6:.0f} us, "
+    print(f"{name} linear 64 x 576 -> 1536: main thread {t['main'].median / 300 * 1e6:.0f} us, "
           f"new thread {t['thread'].median / 300 * 1e6:.0f} us ({format_ratio(t['thread'], t['main'], 'slower')})")
-    engine = build_engine(load_model(embedded_smollm2(), torch.bfloat16),
+    engine = build_engine(load_model(embedded_smollm2(), dtype),
                           PagedSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512,
                                                kv_cache_bytes=512 * 2**20))
     prompts = [[1 + (i * 7 + j) % 4000 for j in range(60)] for i in range(8)]
