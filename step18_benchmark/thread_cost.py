@@ -12,12 +12,10 @@ where it multiplies bf16, else float32):
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
-from minivllm_support.cli import machine
-from minivllm_support.cpu import auto_dtype
+from minivllm_support.cli import DTYPES, machine, resolve_dtype_name
 from minivllm_support.models import embedded_smollm2
 from minivllm_support.timing import compare, format_ratio
 from step04_transformer.loader import load_model
@@ -37,8 +35,8 @@ def in_new_thread(fn):
 
 def main() -> None:
     print(f"machine: {machine()}")
-    dtype = auto_dtype()
-    name = "bf16" if dtype == torch.bfloat16 else "float32"
+    name = resolve_dtype_name("auto")               # bf16 or fp32, as every run.py prints it
+    dtype = DTYPES[name]
     x, w = torch.randn(64, 576).to(dtype), torch.randn(1536, 576).to(dtype)
 
     def linears(n: int = 300) -> None:
